@@ -1,0 +1,189 @@
+"""Public op: `chunk_gated_delta_rule` (FLA / FlashQLA-compatible) and its `_fwd` / `_bwd` halves.
+
+`_fwd` returns (o, final_state, ctx); `_bwd(do, dht, ctx)` returns the gradients of
+(q, k, v, g, beta, initial_state). `chunk_gated_delta_rule` ties them into autograd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backends import choose_backend
+from .kernels.reference_chunked import chunk_gated_delta_rule_torch
+from .kernels.shapes import l2norm
+from .validation import check_inputs
+
+
+@dataclass
+class GDNContext:
+    """What the backward needs from the forward (`_fwd`'s third result)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    initial_state: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    scale: float
+    use_qk_l2norm_in_kernel: bool
+    state_v_first: bool
+    backend: str
+    kernel_saved: object = None  # tensors the TileLang forward keeps for its backward
+
+
+def chunk_gated_delta_rule_fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    state_v_first=False,
+    backend="auto",
+):
+    """Forward only (no autograd graph). Returns (o, final_state or None, ctx)."""
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    chosen = choose_backend(backend, q, v)
+    ctx = GDNContext(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, state_v_first, chosen)
+    qn, kn = (l2norm(q), l2norm(k)) if use_qk_l2norm_in_kernel else (q, k)
+    with torch.no_grad():
+        if chosen == "tilelang":
+            from .kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
+
+            o, final_state, ctx.kernel_saved = tilelang_chunk_gated_delta_rule_fwd(
+                qn, kn, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first=state_v_first
+            )
+        else:
+            o, final_state = chunk_gated_delta_rule_torch(
+                qn, kn, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first=state_v_first
+            )
+    return o, final_state, ctx
+
+
+def _torch_bwd(do, dht, ctx: GDNContext):
+    """Backward by recomputing the torch chunked forward under autograd."""
+    inputs = [t.detach().requires_grad_(True) for t in (ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta)]
+    h0 = ctx.initial_state.detach().requires_grad_(True) if ctx.initial_state is not None else None
+    with torch.enable_grad():
+        o, ht = chunk_gated_delta_rule_torch(
+            *inputs,
+            scale=ctx.scale,
+            initial_state=h0,
+            output_final_state=dht is not None,
+            cu_seqlens=ctx.cu_seqlens,
+            use_qk_l2norm_in_kernel=ctx.use_qk_l2norm_in_kernel,
+            state_v_first=ctx.state_v_first,
+        )
+        outs, grads = [o], [do]
+        if dht is not None:
+            outs.append(ht)
+            grads.append(dht)
+        wrt = inputs + ([h0] if h0 is not None else [])
+        got = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+    got = [torch.zeros_like(x) if d is None else d for d, x in zip(got, wrt)]
+    return (*got[:5], got[5] if h0 is not None else None)
+
+
+def _tilelang_bwd(do, dht, ctx: GDNContext):
+    from .kernels.tilelang_bwd import tilelang_chunk_gated_delta_rule_bwd
+
+    q, k = ctx.q, ctx.k
+    if ctx.use_qk_l2norm_in_kernel:
+        with torch.enable_grad():
+            q_in, k_in = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+            qn, kn = l2norm(q_in), l2norm(k_in)
+    else:
+        qn, kn = q, k
+    dq, dk, dv, dg, dbeta, dh0 = tilelang_chunk_gated_delta_rule_bwd(
+        do, dht, qn.detach(), kn.detach(), ctx.v, ctx.g, ctx.beta, ctx.scale,
+        ctx.initial_state, ctx.cu_seqlens, ctx.kernel_saved, state_v_first=ctx.state_v_first,
+    )
+    if ctx.use_qk_l2norm_in_kernel:
+        dq, dk = torch.autograd.grad((qn, kn), (q_in, k_in), (dq, dk))
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def tilelang_backward_available() -> bool:
+    try:
+        from .kernels import tilelang_bwd  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def chunk_gated_delta_rule_bwd(do, dht, ctx: GDNContext):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0) given do and the final-state gradient dht (or None)."""
+    if ctx.backend == "tilelang" and tilelang_backward_available():
+        return _tilelang_bwd(do, dht, ctx)
+    return _torch_bwd(do, dht, ctx)
+
+
+class _ChunkGatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, g, beta, initial_state, options):
+        o, final_state, ctx = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=initial_state, **options)
+        fctx.gdn = ctx
+        fctx.has_initial_state = initial_state is not None
+        return o, final_state
+
+    @staticmethod
+    def backward(fctx, do, dht):
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.contiguous(), dht, fctx.gdn)
+        fctx.gdn = None
+        return dq, dk, dv, dg, dbeta, (dh0 if fctx.has_initial_state else None), None
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    head_first: bool = False,
+    state_v_first: bool = False,
+    backend: str = "auto",
+):
+    """Chunked Gated DeltaNet, differentiable. Signature compatible with FLA / FlashQLA.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (GVA).
+        g: [B, T, HV] log decay (<= 0); beta: [B, T, HV].
+        scale: defaults to K ** -0.5.
+        initial_state: [N, HV, K, V] fp32 ([N, HV, V, K] with state_v_first).
+        output_final_state: also return the final state of every sequence.
+        use_qk_l2norm_in_kernel: l2-normalise q and k over K first.
+        cu_seqlens: [N + 1] int offsets of packed sequences (B must be 1).
+        cu_seqlens_cpu: accepted for FLA compatibility; a CPU copy of cu_seqlens.
+        backend: 'auto' (TileLang on Hopper, torch elsewhere), 'torch' or 'tilelang'.
+
+    Returns:
+        (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 or None)
+    """
+    if head_first:
+        raise ValueError("chunk_gated_delta_rule: head_first=True is not supported; pass [B, T, H, K] tensors")
+    if cu_seqlens is None and cu_seqlens_cpu is not None:
+        cu_seqlens = cu_seqlens_cpu.to(q.device)
+    options = dict(
+        scale=scale,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first,
+        backend=backend,
+    )
+    return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, options)

@@ -1,0 +1,67 @@
+"""Input checks for the public op: every bad input gets a clear error, never a wrong answer."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fail(message: str):
+    raise ValueError(f"chunk_gated_delta_rule: {message}")
+
+
+def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_first=False) -> int:
+    """Validate shapes, dtypes, devices and cu_seqlens; return the number of sequences N."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            _fail(f"{name} must be a floating tensor, got {t.dtype}")
+        if t.device != q.device:
+            _fail(f"all inputs must be on one device: q is on {q.device}, {name} on {t.device}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        _fail(f"q, k, v must be 4-D [B, T, H, K] / [B, T, HV, V]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape != k.shape:
+        _fail(f"q and k must have the same shape, got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    if v.shape[:2] != (B, T):
+        _fail(f"v must be [B={B}, T={T}, HV, V], got {tuple(v.shape)}")
+    if HV % H != 0:
+        _fail(f"the number of v heads ({HV}) must be a multiple of the q/k heads ({H})")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (B, T, HV):
+            _fail(f"{name} must be [B, T, HV] = {(B, T, HV)}, got {tuple(t.shape)}")
+
+    num_seqs = B
+    if cu_seqlens is not None:
+        num_seqs = check_cu_seqlens(cu_seqlens, B, T)
+    if initial_state is not None:
+        V = v.shape[3]
+        expected = (num_seqs, HV, V, K) if state_v_first else (num_seqs, HV, K, V)
+        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != expected:
+            got = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
+            layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+            _fail(f"initial_state must be {layout} = {expected}, got {got}")
+        if initial_state.dtype not in (torch.float32, torch.float64):
+            _fail(f"initial_state must be float32 (or float64), got {initial_state.dtype}")
+        if initial_state.device != q.device:
+            _fail(f"initial_state is on {initial_state.device}, inputs on {q.device}")
+    return num_seqs
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> int:
+    """cu_seqlens must be a 1-D integer tensor [N+1] from 0 to T, non-decreasing, with B == 1."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        _fail("cu_seqlens must be an int32/int64 tensor [N+1]")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        _fail(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if batch != 1:
+        _fail(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={batch}")
+    edges = cu_seqlens.tolist()
+    if edges[0] != 0 or edges[-1] != seq_len:
+        _fail(f"cu_seqlens must start at 0 and end at T={seq_len}, got {edges[0]} .. {edges[-1]}")
+    if any(b < a for a, b in zip(edges, edges[1:])):
+        _fail(f"cu_seqlens must be non-decreasing, got {edges}")
+    return len(edges) - 1
