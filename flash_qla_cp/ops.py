@@ -138,7 +138,6 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def backward(fctx, do, dht):
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.contiguous(), dht, fctx.gdn)
-        fctx.gdn = None
         return dq, dk, dv, dg, dbeta, (dh0 if fctx.has_initial_state else None), None
 
 

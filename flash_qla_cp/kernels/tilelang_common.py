@@ -1,0 +1,91 @@
+"""Helpers shared by the TileLang kernels: lazy imports, dtype names, compile cache, chunk tables.
+
+Nothing here touches a GPU or compiles anything at import time; TileLang itself is imported
+only when a kernel is first built, so the package imports on machines without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+CHUNK = 64  # chunk length used by every chunked kernel
+
+_TORCH_TO_TL = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.int32: "int32",
+}
+
+
+def tl_dtype(dtype: torch.dtype | str) -> str:
+    """TileLang dtype name for a torch dtype (strings pass through)."""
+    if isinstance(dtype, str):
+        return dtype
+    try:
+        return _TORCH_TO_TL[dtype]
+    except KeyError as exc:  # pragma: no cover - guarded by callers
+        raise TypeError(f"unsupported dtype for TileLang kernels: {dtype}") from exc
+
+
+def tilelang_available() -> bool:
+    """True when `import tilelang` works (it does on CPU-only machines too)."""
+    try:
+        import tilelang  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the environment
+        return False
+    return True
+
+
+def import_tilelang():
+    """(tilelang, tilelang.language) imported on demand."""
+    import tilelang
+    import tilelang.language as T
+
+    return tilelang, T
+
+
+def default_pass_configs() -> dict:
+    tilelang, _ = import_tilelang()
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+_compile_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_cached(factory, params: tuple):
+    tilelang, _ = import_tilelang()
+    prim = factory(**dict(params))
+    return tilelang.compile(prim, target="cuda", pass_configs=default_pass_configs())
+
+
+def compile_kernel(factory, **params):
+    """Build `factory(**params)` into a runnable TileLang kernel on first use, then reuse it.
+
+    The cache key is the factory and its (hashable) shape/dtype parameters; dynamic sizes
+    (token count, number of chunks, number of sequences) are symbolic inside the kernels, so
+    they do not trigger recompilation.
+    """
+    key = tuple(sorted(params.items()))
+    with _compile_lock:
+        return _compile_cached(factory, key)
+
+
+def chunk_table(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """[NC, 2] int32 table of (sequence index, chunk index inside the sequence) for packed inputs.
+
+    Built with torch on the device of `cu_seqlens`; reading the total chunk count costs one
+    host sync (the grid size must be known on the host).
+    """
+    cu = cu_seqlens.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    n_chunks = (lens + chunk - 1) // chunk
+    total = int(n_chunks.sum().item())
+    seq_ids = torch.repeat_interleave(torch.arange(len(lens), device=cu.device), n_chunks, output_size=total)
+    first = torch.cumsum(n_chunks, 0) - n_chunks
+    local = torch.arange(total, device=cu.device) - first[seq_ids]
+    return torch.stack([seq_ids, local], dim=1).to(torch.int32).contiguous()

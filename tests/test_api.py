@@ -1,0 +1,164 @@
+"""The public op as a user calls it: values, gradients, fwd/bwd split, options and bad input."""
+
+import pytest
+import torch
+
+from flash_qla_cp import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from flash_qla_cp.kernels import naive_recurrent_gated_delta_rule
+from flash_qla_cp.kernels.shapes import l2norm
+from flash_qla_cp.testing import make_gdn_inputs, random_cu_seqlens, rel_err
+
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def _leaves(x):
+    return {n: t.clone().requires_grad_(True) for n, t in x.items()}
+
+
+def _inputs(seed, **kw):
+    return make_gdn_inputs(generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def test_gradients_match_the_recurrent_reference_varlen_gva():
+    lengths = [50, 3, 90]
+    cu = random_cu_seqlens(lengths)
+    x = _inputs(1, seq_len=sum(lengths), num_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8)
+    h0 = torch.randn(3, 4, 16, 8, dtype=torch.float64)
+    do = torch.randn(1, sum(lengths), 4, 8, dtype=torch.float64)
+    dht = torch.randn(3, 4, 16, 8, dtype=torch.float64)
+
+    grads = []
+    for fn in (chunk_gated_delta_rule, naive_recurrent_gated_delta_rule):
+        leaves, h = _leaves(x), h0.clone().requires_grad_(True)
+        o, s = fn(**leaves, initial_state=h, output_final_state=True, cu_seqlens=cu)
+        ((o * do).sum() + (s * dht).sum()).backward()
+        grads.append([leaves[n].grad for n in NAMES] + [h.grad])
+    for name, ours, ref in zip(NAMES + ("h0",), *grads):
+        assert rel_err(ours, ref) < 1e-10, name
+
+
+def test_gradcheck_against_finite_differences():
+    x = _inputs(2, seq_len=20, num_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4)
+    h0 = torch.randn(1, 2, 4, 4, dtype=torch.float64, requires_grad=True)
+    leaves = _leaves(x)
+
+    def fn(q, k, v, g, beta, h):
+        o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+        return o, s
+
+    assert torch.autograd.gradcheck(fn, (*[leaves[n] for n in NAMES], h0), eps=1e-6, atol=1e-6)
+
+
+def test_fwd_bwd_split_equals_autograd():
+    x = _inputs(3, seq_len=77, num_heads=2, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+    h0 = torch.randn(1, 2, 16, 16, dtype=torch.float64)
+    o, s, ctx = chunk_gated_delta_rule_fwd(**x, initial_state=h0, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)
+    do, dht = torch.randn_like(o), torch.randn_like(s)
+    split = chunk_gated_delta_rule_bwd(do, dht, ctx)
+
+    leaves, h = _leaves(x), h0.clone().requires_grad_(True)
+    o2, s2 = chunk_gated_delta_rule(**leaves, initial_state=h, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ((o2 * do).sum() + (s2 * dht).sum()).backward()
+    assert torch.equal(o, o2.detach()) and torch.equal(s, s2.detach())
+    for got, leaf in zip(split, [leaves[n] for n in NAMES] + [h]):
+        assert rel_err(got, leaf.grad) < 1e-12
+
+
+def test_l2norm_option_equals_normalising_first():
+    x = _inputs(4, seq_len=65, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    raw = dict(x, q=x["q"] * 3.0, k=x["k"] * 0.5)
+    o, _ = chunk_gated_delta_rule(**raw, use_qk_l2norm_in_kernel=True)
+    o_ref, _ = naive_recurrent_gated_delta_rule(**dict(raw, q=l2norm(raw["q"]), k=l2norm(raw["k"])))
+    assert rel_err(o, o_ref) < 1e-10
+
+
+def test_state_v_first_is_the_transposed_layout():
+    x = _inputs(5, seq_len=40, num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=8)
+    h0 = torch.randn(1, 2, 16, 8, dtype=torch.float64)
+    o, s = chunk_gated_delta_rule(**x, initial_state=h0, output_final_state=True)
+    o_t, s_t = chunk_gated_delta_rule(**x, initial_state=h0.transpose(-1, -2).contiguous(),
+                                      output_final_state=True, state_v_first=True)
+    assert rel_err(o_t, o) < 1e-14
+    assert rel_err(s_t.transpose(-1, -2), s) < 1e-14
+
+
+def test_results_are_deterministic():
+    x = make_gdn_inputs(seq_len=200, dtype=torch.bfloat16)
+    first = chunk_gated_delta_rule(**x, output_final_state=True)
+    second = chunk_gated_delta_rule(**x, output_final_state=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_no_nan_under_extreme_decay():
+    x = _inputs(6, seq_len=130, num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+    x["g"] = torch.full_like(x["g"], -80.0)  # exp(G) underflows inside a chunk
+    leaves = _leaves(x)
+    o, s = chunk_gated_delta_rule(**leaves, output_final_state=True)
+    (o.sum() + s.sum()).backward()
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert all(torch.isfinite(leaves[n].grad).all() for n in NAMES)
+
+
+# --- bad input: a clear error, never a silent wrong answer -------------------------------------
+
+
+def _good(**kw):
+    return make_gdn_inputs(batch=1, seq_len=16, num_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, **kw)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda x: x.update(q=x["q"][..., :4]), "same shape"),
+        (lambda x: x.update(v=x["v"][:, :, :3]), "multiple"),
+        (lambda x: x.update(g=x["g"][..., :2]), "g must be"),
+        (lambda x: x.update(beta=x["beta"][:, :8]), "beta must be"),
+        (lambda x: x.update(q=x["q"][0], k=x["k"][0]), "4-D"),
+        (lambda x: x.update(v=x["v"].long()), "floating"),
+    ],
+)
+def test_bad_shapes_and_dtypes(mutate, message):
+    x = _good()
+    mutate(x)
+    with pytest.raises(ValueError, match=message):
+        chunk_gated_delta_rule(**x)
+
+
+def test_cu_seqlens_with_batch_above_one():
+    x = make_gdn_inputs(batch=2, seq_len=16, num_heads=1, num_v_heads=1, head_k_dim=8, head_v_dim=8)
+    with pytest.raises(ValueError, match="batch size must be 1"):
+        chunk_gated_delta_rule(**x, cu_seqlens=random_cu_seqlens([8, 8]))
+
+
+@pytest.mark.parametrize("edges", [[0, 10, 5, 16], [0, 8, 15], [1, 8, 16], [16]])
+def test_bad_cu_seqlens(edges):
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        chunk_gated_delta_rule(**_good(), cu_seqlens=torch.tensor(edges, dtype=torch.int32))
+
+
+def test_float_cu_seqlens_rejected():
+    with pytest.raises(ValueError, match="int32"):
+        chunk_gated_delta_rule(**_good(), cu_seqlens=torch.tensor([0.0, 16.0]))
+
+
+def test_initial_state_of_wrong_shape_or_dtype():
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_gated_delta_rule(**_good(), initial_state=torch.zeros(1, 4, 8, 4))
+    with pytest.raises(ValueError, match="float32"):
+        chunk_gated_delta_rule(**_good(), initial_state=torch.zeros(1, 4, 8, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\[N, HV, K, V\]"):
+        chunk_gated_delta_rule(**_good(), initial_state=torch.zeros(2, 4, 8, 8))
+
+
+def test_unknown_or_unavailable_backend():
+    with pytest.raises(ValueError, match="backend"):
+        chunk_gated_delta_rule(**_good(), backend="cuda")
+    with pytest.raises(NotImplementedError, match="CUDA"):
+        chunk_gated_delta_rule(**_good(), backend="tilelang")
+
+
+def test_head_first_rejected():
+    with pytest.raises(ValueError, match="head_first"):
+        chunk_gated_delta_rule(**_good(), head_first=True)
