@@ -1,0 +1,502 @@
+"""TileLang Hopper (sm_90a) forward kernels for chunked Gated DeltaNet.
+
+SPEC (shared with the backward kernels, `tilelang_bwd*.py`)
+==========================================================
+Notation per v-head, chunk of C = 64 tokens (the last chunk of a sequence may be partial,
+length L <= 64; rows/cols >= L are padding):
+
+    G      = chunk-local inclusive cumsum of g                        (fp32)
+    Lm_ij  = beta_i (k_i . k_j)            for i > j, else 0          (no gating)
+    M      = (I + Lm)^-1                                              (unit lower triangular)
+    Ag_ij  = M_ij exp(G_i - G_j) beta_j    for j <= i < L, else 0
+           = Tm diag(beta), Tm = (I + A)^-1 with the gated A of the chunked form
+    then   u = Ag v,  w = Ag diag(exp(G)) k,
+           v_new = Ag (v - exp(G) * (k S))          (= u - w S)
+           o     = scale * (exp(G) * (q S) + tril_incl(q k^T * exp(G_i - G_j)) v_new)
+           S'    = exp(G_L) S + (k * exp(G_L - G))^T v_new
+
+`tilelang_chunk_gated_delta_rule_fwd(...)` returns (o, final_state, saved) where `saved` is a
+dict (all tensors contiguous, token-major like the inputs):
+
+    saved["g_cumsum"] : [B, T, HV]      fp32   G (chunk-local cumsum, per sequence)
+    saved["Ag"]       : [B, T, HV, 64]  q.dtype row t holds row (t mod chunk) of Ag for the chunk
+                                        containing token t; columns >= L are zero
+    saved["chunk_table"]: [NC, 2] int32  (sequence, chunk-in-sequence) per chunk, varlen only
+    saved["cu_seqlens"] : int32 cu_seqlens or None
+    saved["scale"], saved["state_v_first"] : python values
+
+The chunk states h (state before each chunk) are not stored by the forward; the backward
+recomputes them (one pass of the fused kernel with `store_h`, or its own kernel).
+States (initial / final) are fp32, [N, HV, K, V], or [N, HV, V, K] when state_v_first.
+
+Kernels
+-------
+* `build_prepare_kernel`  : per (chunk, v-head): cumsum of g, K K^T, triangular inverse
+  (16x16 diagonal blocks by column-wise substitution, then the nilpotent block series
+  M = D - E (D - E (D - E D)), E = D N, with tf32 tensor-core MMAs), gating and beta folded
+  in -> writes G and Ag.
+* `build_fused_fwd_kernel`: per (v-block, sequence, v-head): walks the chunks of its sequence
+  with the state block S[K, BV] in fp32 registers; six wgmma GEMMs per chunk; writes o and the
+  final state.
+
+Every factory returns a TileLang PrimFunc; `compile_kernel` compiles lazily and caches by
+parameters. Nothing is compiled or queried at import time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .tilelang_common import CHUNK, chunk_table, compile_kernel, import_tilelang, tl_dtype
+
+LOG2E = 1.4426950408889634
+
+__all__ = [
+    "build_prepare_kernel",
+    "build_fused_fwd_kernel",
+    "tilelang_chunk_gated_delta_rule_fwd",
+    "prepare_fwd",
+]
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel 1: chunk-local cumsum + K K^T + triangular inverse, gating folded in.
+# ----------------------------------------------------------------------------------------
+def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, threads: int = 128):
+    """PrimFunc computing G (cumsum of g) and Ag for every chunk and v-head.
+
+    Non-varlen arguments: k [B,T,H,K] dtype, g [B,T,HV] fp32, beta [B,T,HV] fp32,
+    g_out [B,T,HV] fp32, a_out [B,T,HV,64] dtype.
+    Varlen adds cu_seqlens [N+1] int32 and chunk_table [NC,2] int32 (B == 1).
+    """
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
+    dtype = tl_dtype(dtype)
+    G = HV // H
+    assert HV % H == 0
+
+    @T.macro
+    def body(k, g, beta, g_out, a_out, bb, bhv, t0, L):
+        bh = bhv // G
+        k_s = T.alloc_shared((C, K), dtype)
+        g_s = T.alloc_shared((C,), acc)
+        b_s = T.alloc_shared((C,), acc)
+        kk_f = T.alloc_fragment((C, C), acc)
+        ld_s = T.alloc_shared((C, C), acc)  # strictly lower part inside the 16x16 diagonal blocks
+        n_s = T.alloc_shared((C, C), acc)  # strictly block-lower part
+        d_s = T.alloc_shared((C, C), acc)  # inverse of the block-diagonal part
+        e_s = T.alloc_shared((C, C), acc)
+        z_s = T.alloc_shared((C, C), acc)
+        z_f = T.alloc_fragment((C, C), acc)
+        out_s = T.alloc_shared((C, C), dtype)
+        run = T.alloc_local((1,), acc)
+
+        tx = T.get_thread_binding()
+
+        if L == C:
+            T.copy(k[bb, t0 : t0 + C, bh, :], k_s)
+        else:
+            for i, d in T.Parallel(C, K):
+                if i < L:
+                    k_s[i, d] = k[bb, t0 + i, bh, d]
+                else:
+                    k_s[i, d] = T.cast(0, dtype)
+        for i in T.Parallel(C):
+            if i < L:
+                g_s[i] = g[bb, t0 + i, bhv]
+                b_s[i] = beta[bb, t0 + i, bhv]
+            else:
+                g_s[i] = T.float32(0)
+                b_s[i] = T.float32(0)
+        T.cumsum(g_s, dim=0)
+        for i in T.Parallel(C):
+            if i < L:
+                g_out[bb, t0 + i, bhv] = g_s[i]
+
+        T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            ld_s[i, j] = T.if_then_else((i > j) and (i // 16 == j // 16), kk_f[i, j] * b_s[i], T.float32(0))
+            n_s[i, j] = T.if_then_else(i // 16 > j // 16, kk_f[i, j] * b_s[i], T.float32(0))
+            d_s[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))
+
+        # Column-wise forward substitution inside each 16x16 diagonal block: thread (blk, c)
+        # owns column c of block blk, so it needs no synchronisation with other threads.
+        if tx < 64:
+            blk = tx // 16
+            c = tx % 16
+            for r in T.serial(1, 16):
+                run[0] = T.float32(0)
+                for m in T.serial(15):
+                    if m < r:
+                        run[0] += ld_s[blk * 16 + r, blk * 16 + m] * d_s[blk * 16 + m, blk * 16 + c]
+                if r > c:
+                    d_s[blk * 16 + r, blk * 16 + c] = -run[0]
+
+        # (I + Lm)^-1 = (I + E)^-1 D with E = D N nilpotent of order 4:
+        # M = D - E (D - E (D - E D)).
+        T.gemm(d_s, n_s, z_f, clear_accum=True)
+        T.copy(z_f, e_s)
+        T.gemm(e_s, d_s, z_f, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            z_s[i, j] = d_s[i, j] - z_f[i, j]
+        T.gemm(e_s, z_s, z_f, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            n_s[i, j] = d_s[i, j] - z_f[i, j]
+        T.gemm(e_s, n_s, z_f, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            out_s[i, j] = T.if_then_else(
+                (i >= j) and (i < L) and (j < L),
+                (d_s[i, j] - z_f[i, j]) * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j],
+                T.float32(0),
+            )
+        if L == C:
+            T.copy(out_s, a_out[bb, t0 : t0 + C, bhv, :])
+        else:
+            for i, j in T.Parallel(C, C):
+                if i < L:
+                    a_out[bb, t0 + i, bhv, j] = out_s[i, j]
+
+    if is_varlen:
+        Ttot = T.dynamic("num_tokens")
+        NC = T.dynamic("num_chunks")
+        N1 = T.dynamic("num_seqs_plus_one")
+
+        @T.prim_func
+        def gdn_fwd_prepare_varlen(
+            k: T.Tensor((1, Ttot, H, K), dtype),
+            g: T.Tensor((1, Ttot, HV), acc),
+            beta: T.Tensor((1, Ttot, HV), acc),
+            cu_seqlens: T.Tensor((N1,), "int32"),
+            chunk_tab: T.Tensor((NC, 2), "int32"),
+            g_out: T.Tensor((1, Ttot, HV), acc),
+            a_out: T.Tensor((1, Ttot, HV, C), dtype),
+        ):
+            with T.Kernel(NC, HV, threads=threads) as (bc, bhv):
+                n = chunk_tab[bc, 0]
+                ci = chunk_tab[bc, 1]
+                s0 = cu_seqlens[n]
+                t0 = s0 + ci * C
+                L = T.min(cu_seqlens[n + 1] - t0, C)
+                body(k, g, beta, g_out, a_out, 0, bhv, t0, L)
+
+        return gdn_fwd_prepare_varlen
+
+    B = T.dynamic("batch")
+    Tlen = T.dynamic("seq_len")
+
+    @T.prim_func
+    def gdn_fwd_prepare(
+        k: T.Tensor((B, Tlen, H, K), dtype),
+        g: T.Tensor((B, Tlen, HV), acc),
+        beta: T.Tensor((B, Tlen, HV), acc),
+        g_out: T.Tensor((B, Tlen, HV), acc),
+        a_out: T.Tensor((B, Tlen, HV, C), dtype),
+    ):
+        with T.Kernel(T.ceildiv(Tlen, C), B * HV, threads=threads) as (bc, bbh):
+            bb = bbh // HV
+            bhv = bbh % HV
+            t0 = bc * C
+            L = T.min(Tlen - t0, C)
+            body(k, g, beta, g_out, a_out, bb, bhv, t0, L)
+
+    return gdn_fwd_prepare
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel 2: the chunk recurrence fused with the output.
+# ----------------------------------------------------------------------------------------
+def build_fused_fwd_kernel(
+    H: int,
+    HV: int,
+    K: int,
+    V: int,
+    dtype: str,
+    scale: float,
+    is_varlen: bool,
+    use_initial_state: bool,
+    store_final_state: bool,
+    state_v_first: bool = False,
+    block_v: int = 64,
+    threads: int = 128,
+):
+    """PrimFunc walking every sequence chunk by chunk with S[K, block_v] held in fp32.
+
+    Arguments (non-varlen): q,k [B,T,H,K], v [B,T,HV,V], ag [B,T,HV,64] dtype, gc [B,T,HV] fp32,
+    h0 [N0,HV,K,V] fp32, o [B,T,HV,V] dtype, ht [N1,HV,K,V] fp32 (state dims swapped when
+    state_v_first; h0/ht may be 1-row dummies when unused). Varlen inserts cu_seqlens [N+1]
+    int32 after gc.
+    """
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
+    dtype = tl_dtype(dtype)
+    G = HV // H
+    BV = block_v
+    assert V % BV == 0 and BV % 16 == 0
+    NV = V // BV
+    scale = float(scale)
+
+    @T.macro
+    def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len):
+        bh = bhv // G
+        v0 = bv * BV
+        q_s = T.alloc_shared((C, K), dtype)
+        k_s = T.alloc_shared((C, K), dtype)
+        v_s = T.alloc_shared((C, BV), dtype)
+        a_s = T.alloc_shared((C, C), dtype)
+        g_s = T.alloc_shared((C,), acc)
+        h_s = T.alloc_shared((K, BV), dtype)
+        w_s = T.alloc_shared((C, BV), dtype)
+        vn_s = T.alloc_shared((C, BV), dtype)
+        p_s = T.alloc_shared((C, C), dtype)
+        o_s = T.alloc_shared((C, BV), dtype)
+
+        s_f = T.alloc_fragment((K, BV), acc)
+        x_f = T.alloc_fragment((C, BV), acc)
+        vn_f = T.alloc_fragment((C, BV), acc)
+        p_f = T.alloc_fragment((C, C), acc)
+        o_f = T.alloc_fragment((C, BV), acc)
+        glast = T.alloc_var(acc)
+
+        if use_initial_state:
+            if state_v_first:
+                for i, j in T.Parallel(K, BV):
+                    s_f[i, j] = h0[n, bhv, v0 + j, i]
+            else:
+                T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
+        else:
+            T.clear(s_f)
+
+        n_chunks = T.ceildiv(seq_len, C)
+        for c in T.serial(n_chunks):
+            t0 = t_start + c * C
+            L = T.min(seq_len - c * C, C)
+            if L == C:
+                T.copy(q[bb, t0 : t0 + C, bh, :], q_s)
+                T.copy(k[bb, t0 : t0 + C, bh, :], k_s)
+                T.copy(v[bb, t0 : t0 + C, bhv, v0 : v0 + BV], v_s)
+                T.copy(ag[bb, t0 : t0 + C, bhv, :], a_s)
+                for i in T.Parallel(C):
+                    g_s[i] = gc[bb, t0 + i, bhv]
+            else:
+                for i, d in T.Parallel(C, K):
+                    if i < L:
+                        q_s[i, d] = q[bb, t0 + i, bh, d]
+                        k_s[i, d] = k[bb, t0 + i, bh, d]
+                    else:
+                        q_s[i, d] = T.cast(0, dtype)
+                        k_s[i, d] = T.cast(0, dtype)
+                for i, j in T.Parallel(C, BV):
+                    if i < L:
+                        v_s[i, j] = v[bb, t0 + i, bhv, v0 + j]
+                    else:
+                        v_s[i, j] = T.cast(0, dtype)
+                for i, j in T.Parallel(C, C):
+                    if i < L:
+                        a_s[i, j] = ag[bb, t0 + i, bhv, j]
+                    else:
+                        a_s[i, j] = T.cast(0, dtype)
+                for i in T.Parallel(C):
+                    # padding rows repeat the last valid G: every exponent below stays <= 0
+                    g_s[i] = gc[bb, t0 + T.min(i, L - 1), bhv]
+
+            T.copy(s_f, h_s)
+            # x = k S
+            T.gemm(k_s, h_s, x_f, clear_accum=True)
+            for i, j in T.Parallel(C, BV):
+                w_s[i, j] = v_s[i, j] - T.exp2(g_s[i] * LOG2E) * x_f[i, j]
+            # v_new = Ag (v - exp(G) k S)
+            T.gemm(a_s, w_s, vn_f, clear_accum=True)
+            T.copy(vn_f, vn_s)
+            # intra-chunk scores
+            T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                p_s[i, j] = T.if_then_else(
+                    i >= j, p_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * scale, T.float32(0)
+                )
+            # o = scale exp(G) q S + P v_new
+            T.gemm(q_s, h_s, o_f, clear_accum=True)
+            for i, j in T.Parallel(C, BV):
+                o_f[i, j] = o_f[i, j] * (T.exp2(g_s[i] * LOG2E) * scale)
+            T.gemm(p_s, vn_s, o_f)
+            if L == C:
+                T.copy(o_f, o_s)
+                T.copy(o_s, o[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
+            else:
+                T.copy(o_f, o_s)
+                for i, j in T.Parallel(C, BV):
+                    if i < L:
+                        o[bb, t0 + i, bhv, v0 + j] = o_s[i, j]
+            # state update
+            glast = g_s[C - 1]
+            for i, j in T.Parallel(C, BV):
+                vn_s[i, j] = T.if_then_else(i < L, vn_f[i, j] * T.exp2((glast - g_s[i]) * LOG2E), T.float32(0))
+            for i, j in T.Parallel(K, BV):
+                s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
+            T.gemm(k_s, vn_s, s_f, transpose_A=True)
+
+        if store_final_state:
+            if state_v_first:
+                for i, j in T.Parallel(K, BV):
+                    ht[n, bhv, v0 + j, i] = s_f[i, j]
+            else:
+                T.copy(s_f, ht[n, bhv, :, v0 : v0 + BV])
+
+    h_dims = (V, K) if state_v_first else (K, V)
+    N0 = T.dynamic("n_h0")
+    NT = T.dynamic("n_ht")
+
+    if is_varlen:
+        Ttot = T.dynamic("num_tokens")
+        N1 = T.dynamic("num_seqs_plus_one")
+
+        @T.prim_func
+        def gdn_fwd_fused_varlen(
+            q: T.Tensor((1, Ttot, H, K), dtype),
+            k: T.Tensor((1, Ttot, H, K), dtype),
+            v: T.Tensor((1, Ttot, HV, V), dtype),
+            ag: T.Tensor((1, Ttot, HV, C), dtype),
+            gc: T.Tensor((1, Ttot, HV), acc),
+            cu_seqlens: T.Tensor((N1,), "int32"),
+            h0: T.Tensor((N0, HV, *h_dims), acc),
+            o: T.Tensor((1, Ttot, HV, V), dtype),
+            ht: T.Tensor((NT, HV, *h_dims), acc),
+        ):
+            with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+                s0 = cu_seqlens[n]
+                body(q, k, v, ag, gc, h0, o, ht, 0, n, bhv, bv, s0, cu_seqlens[n + 1] - s0)
+
+        return gdn_fwd_fused_varlen
+
+    B = T.dynamic("batch")
+    Tlen = T.dynamic("seq_len")
+
+    @T.prim_func
+    def gdn_fwd_fused(
+        q: T.Tensor((B, Tlen, H, K), dtype),
+        k: T.Tensor((B, Tlen, H, K), dtype),
+        v: T.Tensor((B, Tlen, HV, V), dtype),
+        ag: T.Tensor((B, Tlen, HV, C), dtype),
+        gc: T.Tensor((B, Tlen, HV), acc),
+        h0: T.Tensor((N0, HV, *h_dims), acc),
+        o: T.Tensor((B, Tlen, HV, V), dtype),
+        ht: T.Tensor((NT, HV, *h_dims), acc),
+    ):
+        with T.Kernel(NV, B, HV, threads=threads) as (bv, bb, bhv):
+            body(q, k, v, ag, gc, h0, o, ht, bb, bb, bhv, bv, 0, Tlen)
+
+    return gdn_fwd_fused
+
+
+# ----------------------------------------------------------------------------------------
+# Python entry points
+# ----------------------------------------------------------------------------------------
+def _check_inputs(q, k, v, g, beta, cu_seqlens):
+    assert q.dtype in (torch.bfloat16, torch.float16), "q/k/v must be bf16 or fp16"
+    assert q.dtype == k.dtype == v.dtype
+    B, Tn, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    assert k.shape == q.shape and v.shape[:2] == (B, Tn)
+    assert HV % H == 0, "HV must be a multiple of H"
+    assert g.shape == (B, Tn, HV) and beta.shape == (B, Tn, HV)
+    if cu_seqlens is not None:
+        assert B == 1, "varlen inputs must be packed with B == 1"
+    return B, Tn, H, K, HV, V
+
+
+def prepare_fwd(k, g, beta, cu_seqlens=None, chunk_tab=None, HV=None):
+    """Run the prepare kernel: returns (g_cumsum fp32 [B,T,HV], Ag [B,T,HV,64], chunk_tab)."""
+    B, Tn, H, K = k.shape
+    HV = g.shape[2]
+    g32 = g.float().contiguous()
+    b32 = beta.float().contiguous()
+    g_out = torch.empty(B, Tn, HV, dtype=torch.float32, device=k.device)
+    a_out = torch.empty(B, Tn, HV, CHUNK, dtype=k.dtype, device=k.device)
+    varlen = cu_seqlens is not None
+    kern = compile_kernel(build_prepare_kernel, H=H, HV=HV, K=K, dtype=tl_dtype(k.dtype), is_varlen=varlen)
+    if varlen:
+        cu = cu_seqlens.to(torch.int32).contiguous()
+        if chunk_tab is None:
+            chunk_tab = chunk_table(cu)
+        if chunk_tab.shape[0] > 0:
+            kern(k, g32, b32, cu, chunk_tab, g_out, a_out)
+    elif Tn > 0:
+        kern(k, g32, b32, g_out, a_out)
+    return g_out, a_out, chunk_tab
+
+
+def tilelang_chunk_gated_delta_rule_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
+    block_v: int | None = None,
+):
+    """Chunked GDN forward on Hopper through TileLang.
+
+    q, k [B,T,H,K] bf16/fp16; v [B,T,HV,V]; g (log decay), beta [B,T,HV]; states fp32
+    [N,HV,K,V] ([N,HV,V,K] when state_v_first); cu_seqlens [N+1] with B == 1 for packed input.
+    Returns (o [B,T,HV,V] in q.dtype, final_state fp32 or None, saved) — see the module SPEC
+    for the contents of `saved`.
+    """
+    B, Tn, H, K, HV, V = _check_inputs(q, k, v, g, beta, cu_seqlens)
+    if scale is None:
+        scale = K**-0.5
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    varlen = cu_seqlens is not None
+    cu = cu_seqlens.to(torch.int32).contiguous() if varlen else None
+    N = (cu.shape[0] - 1) if varlen else B
+
+    g_cum, ag, chunk_tab = prepare_fwd(k, g, beta, cu_seqlens=cu)
+
+    if block_v is None:
+        block_v = 64 if V % 64 == 0 else V
+    sdims = (V, K) if state_v_first else (K, V)
+    dev = q.device
+    use_h0 = initial_state is not None
+    h0 = initial_state.float().contiguous() if use_h0 else torch.zeros(1, HV, *sdims, dtype=torch.float32, device=dev)
+    if use_h0:
+        assert tuple(h0.shape) == (N, HV, *sdims), f"initial_state must be {(N, HV, *sdims)}"
+    ht = torch.empty(N, HV, *sdims, dtype=torch.float32, device=dev) if output_final_state else torch.empty(
+        1, HV, *sdims, dtype=torch.float32, device=dev
+    )
+    o = torch.empty(B, Tn, HV, V, dtype=q.dtype, device=dev)
+    kern = compile_kernel(
+        build_fused_fwd_kernel,
+        H=H,
+        HV=HV,
+        K=K,
+        V=V,
+        dtype=tl_dtype(q.dtype),
+        scale=float(scale),
+        is_varlen=varlen,
+        use_initial_state=use_h0,
+        store_final_state=bool(output_final_state),
+        state_v_first=bool(state_v_first),
+        block_v=int(block_v),
+    )
+    if Tn > 0 and N > 0:
+        if varlen:
+            kern(q, k, v, ag, g_cum, cu, h0, o, ht)
+        else:
+            kern(q, k, v, ag, g_cum, h0, o, ht)
+    elif output_final_state:
+        ht.copy_(h0 if use_h0 else torch.zeros_like(ht))
+    saved = {
+        "g_cumsum": g_cum,
+        "Ag": ag,
+        "chunk_table": chunk_tab,
+        "cu_seqlens": cu,
+        "scale": float(scale),
+        "state_v_first": bool(state_v_first),
+    }
+    return o, (ht if output_final_state else None), saved
