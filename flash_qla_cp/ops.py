@@ -152,9 +152,10 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    cu_seqlens_cpu: torch.Tensor | None = None,
     head_first: bool = False,
     state_v_first: bool = False,
+    *,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     backend: str = "auto",
 ):
     """Chunked Gated DeltaNet, differentiable. Signature compatible with FLA / FlashQLA.

@@ -6,7 +6,6 @@ only when a kernel is first built, so the package imports on machines without it
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import torch
@@ -54,13 +53,11 @@ def default_pass_configs() -> dict:
 
 
 _compile_lock = threading.Lock()
+_kernel_cache: dict = {}
 
 
-@functools.lru_cache(maxsize=None)
-def _compile_cached(factory, params: tuple):
-    tilelang, _ = import_tilelang()
-    prim = factory(**dict(params))
-    return tilelang.compile(prim, target="cuda", pass_configs=default_pass_configs())
+def _key(factory, params: dict):
+    return (factory.__module__, factory.__qualname__, tuple(sorted(params.items())))
 
 
 def compile_kernel(factory, **params):
@@ -70,9 +67,39 @@ def compile_kernel(factory, **params):
     (token count, number of chunks, number of sequences) are symbolic inside the kernels, so
     they do not trigger recompilation.
     """
-    key = tuple(sorted(params.items()))
+    key = _key(factory, params)
+    kern = _kernel_cache.get(key)
+    if kern is not None:
+        return kern
     with _compile_lock:
-        return _compile_cached(factory, key)
+        kern = _kernel_cache.get(key)
+        if kern is None:
+            tilelang, _ = import_tilelang()
+            kern = tilelang.compile(factory(**params), target="cuda", pass_configs=default_pass_configs())
+            _kernel_cache[key] = kern
+    return kern
+
+
+def precompile(specs, num_workers: int = 8) -> int:
+    """Compile many (factory, params) pairs in parallel (tilelang.par_compile) into the cache.
+
+    Returns the number of kernels compiled. Kernels already cached are skipped.
+    """
+    todo = []
+    for factory, params in specs:
+        key = _key(factory, params)
+        if key not in _kernel_cache and key not in [k for k, _ in todo]:
+            todo.append((key, factory(**params)))
+    if not todo:
+        return 0
+    tilelang, _ = import_tilelang()
+    kernels = tilelang.par_compile(
+        [f for _, f in todo], target="cuda", pass_configs=default_pass_configs(), num_workers=num_workers
+    )
+    with _compile_lock:
+        for (key, _), kern in zip(todo, kernels):
+            _kernel_cache[key] = kern
+    return len(todo)
 
 
 def chunk_table(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:

@@ -43,7 +43,7 @@ Every factory returns a TileLang PrimFunc; `compile_kernel` compiles lazily and 
 parameters. Nothing is compiled or queried at import time.
 """
 
-from __future__ import annotations
+
 
 import math
 
@@ -58,6 +58,7 @@ __all__ = [
     "build_fused_fwd_kernel",
     "tilelang_chunk_gated_delta_rule_fwd",
     "prepare_fwd",
+    "fwd_kernel_specs",
 ]
 
 
@@ -407,7 +408,26 @@ def _check_inputs(q, k, v, g, beta, cu_seqlens):
     return B, Tn, H, K, HV, V
 
 
-def prepare_fwd(k, g, beta, cu_seqlens=None, chunk_tab=None, HV=None):
+def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, store_final_state,
+                     state_v_first=False, block_v=None):
+    """[(factory, params)] of the kernels one forward call uses (for `precompile`)."""
+    if block_v is None:
+        block_v = 64 if V % 64 == 0 else V
+    dtype = tl_dtype(dtype)
+    return [
+        (build_prepare_kernel, dict(H=H, HV=HV, K=K, dtype=dtype, is_varlen=bool(is_varlen))),
+        (
+            build_fused_fwd_kernel,
+            dict(
+                H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), is_varlen=bool(is_varlen),
+                use_initial_state=bool(use_initial_state), store_final_state=bool(store_final_state),
+                state_v_first=bool(state_v_first), block_v=int(block_v),
+            ),
+        ),
+    ]
+
+
+def prepare_fwd(k, g, beta, cu_seqlens=None, chunk_tab=None):
     """Run the prepare kernel: returns (g_cumsum fp32 [B,T,HV], Ag [B,T,HV,64], chunk_tab)."""
     B, Tn, H, K = k.shape
     HV = g.shape[2]
@@ -416,7 +436,7 @@ def prepare_fwd(k, g, beta, cu_seqlens=None, chunk_tab=None, HV=None):
     g_out = torch.empty(B, Tn, HV, dtype=torch.float32, device=k.device)
     a_out = torch.empty(B, Tn, HV, CHUNK, dtype=k.dtype, device=k.device)
     varlen = cu_seqlens is not None
-    kern = compile_kernel(build_prepare_kernel, H=H, HV=HV, K=K, dtype=tl_dtype(k.dtype), is_varlen=varlen)
+    kern = compile_kernel(build_prepare_kernel, H=H, HV=HV, K=K, dtype=tl_dtype(k.dtype), is_varlen=bool(varlen))
     if varlen:
         cu = cu_seqlens.to(torch.int32).contiguous()
         if chunk_tab is None:
@@ -434,12 +454,12 @@ def tilelang_chunk_gated_delta_rule_fwd(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
+    scale=None,
+    initial_state=None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens=None,
     state_v_first: bool = False,
-    block_v: int | None = None,
+    block_v=None,
 ):
     """Chunked GDN forward on Hopper through TileLang.
 
@@ -470,20 +490,10 @@ def tilelang_chunk_gated_delta_rule_fwd(
         1, HV, *sdims, dtype=torch.float32, device=dev
     )
     o = torch.empty(B, Tn, HV, V, dtype=q.dtype, device=dev)
-    kern = compile_kernel(
-        build_fused_fwd_kernel,
-        H=H,
-        HV=HV,
-        K=K,
-        V=V,
-        dtype=tl_dtype(q.dtype),
-        scale=float(scale),
-        is_varlen=varlen,
-        use_initial_state=use_h0,
-        store_final_state=bool(output_final_state),
-        state_v_first=bool(state_v_first),
-        block_v=int(block_v),
-    )
+    factory, params = fwd_kernel_specs(
+        H, HV, K, V, q.dtype, scale, varlen, use_h0, output_final_state, state_v_first, block_v
+    )[1]
+    kern = compile_kernel(factory, **params)
     if Tn > 0 and N > 0:
         if varlen:
             kern(q, k, v, ag, g_cum, cu, h0, o, ht)

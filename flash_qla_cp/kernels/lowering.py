@@ -1,0 +1,95 @@
+"""Lower TileLang kernels to CUDA source on a machine without a GPU (used by CI).
+
+`lower_to_cuda_source(prim_func)` runs TileLang's lowering for an explicit CUDA target, so
+wgmma / TMA code paths are generated and can be inspected without a device or nvcc.
+`KERNEL_REGISTRY` names every kernel factory with representative parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+def lower_to_cuda_source(prim_func, arch: str = "sm_90a") -> str:
+    """CUDA C++ source of `prim_func` lowered for `arch` (no GPU, no nvcc needed)."""
+    import tilelang
+    import tvm
+
+    from .tilelang_common import default_pass_configs
+
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    with tvm.transform.PassContext(opt_level=3, config=default_pass_configs()), target:
+        artifact = tilelang.lower(prim_func, target=target)
+    return artifact.kernel_source
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    """One kernel factory with one set of parameters and what its source must show."""
+
+    name: str
+    factory: Callable
+    params: dict
+    entry: str  # name of the __global__ function expected in the source
+    expect: tuple = field(default=())  # substrings that must appear (e.g. "wgmma")
+
+    def build(self):
+        return self.factory(**self.params)
+
+
+def _forward_cases() -> list[KernelCase]:
+    from .tilelang_fwd import build_fused_fwd_kernel, build_prepare_kernel
+
+    cases = []
+    for dtype in ("bfloat16", "float16"):
+        for dim in (128, 64):
+            for varlen in (False, True):
+                tag = f"{dtype}_k{dim}_{'varlen' if varlen else 'dense'}"
+                cases.append(
+                    KernelCase(
+                        name=f"fwd_prepare_{tag}",
+                        factory=build_prepare_kernel,
+                        params=dict(H=2, HV=4, K=dim, dtype=dtype, is_varlen=varlen),
+                        entry="gdn_fwd_prepare_varlen" if varlen else "gdn_fwd_prepare",
+                        expect=("mma",),
+                    )
+                )
+                cases.append(
+                    KernelCase(
+                        name=f"fwd_fused_{tag}",
+                        factory=build_fused_fwd_kernel,
+                        params=dict(
+                            H=2,
+                            HV=4,
+                            K=dim,
+                            V=dim,
+                            dtype=dtype,
+                            scale=dim**-0.5,
+                            is_varlen=varlen,
+                            use_initial_state=True,
+                            store_final_state=True,
+                            state_v_first=varlen and dim == 128,
+                            block_v=64,
+                        ),
+                        entry="gdn_fwd_fused_varlen" if varlen else "gdn_fwd_fused",
+                        expect=("wgmma",),
+                    )
+                )
+    return cases
+
+
+def kernel_registry() -> list[KernelCase]:
+    """Every kernel factory of the package with representative parameters.
+
+    Backward kernels register themselves through `flash_qla_cp.kernels.tilelang_bwd`'s
+    optional `LOWERING_CASES` list when that module provides one.
+    """
+    cases = _forward_cases()
+    try:
+        from . import tilelang_bwd  # noqa: F401
+
+        cases.extend(getattr(tilelang_bwd, "LOWERING_CASES", []))
+    except Exception:
+        pass
+    return cases

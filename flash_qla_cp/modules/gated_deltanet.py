@@ -1,0 +1,319 @@
+"""The Gated DeltaNet layer of Qwen3-Next as an nn.Module, on top of `chunk_gated_delta_rule`.
+
+Parameters use the Hugging Face Qwen3-Next `linear_attn` names and shapes, so its state_dict
+loads unchanged and round-trips:
+
+    in_proj_qkvz.weight [2*H*dk + 2*HV*dv, D]   rows grouped per key head: (q_h, k_h, v_group_h, z_group_h)
+    in_proj_ba.weight   [2*HV, D]               rows grouped per key head: (b_group_h, a_group_h)
+    conv1d.weight       [C, 1, K]               C = 2*H*dk + HV*dv, channels (q, k, v), heads flattened
+    dt_bias, A_log      [HV]
+    norm.weight         [dv]
+    out_proj.weight     [D, HV*dv]
+
+A "group" is the r = HV / H value heads that read key head h (v head index h*r + j).
+
+Context-parallel seam: forward makes exactly one `short_conv(...)` call and one `_core(...)` call,
+both taking `cp_context`; the parallel package wraps or overrides those two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..kernels.shapes import expand_qk_heads, l2norm
+from ..ops import chunk_gated_delta_rule
+from .norm import GatedRMSNorm
+from .short_conv import ShortConvolution
+
+
+def _fail(message: str):
+    raise ValueError(f"GatedDeltaNet: {message}")
+
+
+@dataclass
+class GDNCache:
+    """Decode state of one layer for N sequences.
+
+    conv_state: [N, C, K-1], the last K-1 inputs of the short conv (before the conv), in the model dtype.
+    recurrent_state: [N, HV, dk, dv] fp32 (float64 for a float64 model).
+    seen_tokens: tokens consumed so far per call chain (informational).
+    """
+
+    conv_state: torch.Tensor
+    recurrent_state: torch.Tensor
+    seen_tokens: int = 0
+
+
+def recurrent_step(q, k, v, g, beta, scale, initial_state=None):
+    """One token (T == 1) of the gated delta rule, q/k l2-normalised here. Cheaper than a 64-token chunk
+    for decoding. Shapes as the op; returns (o [B, 1, HV, V] in v's dtype, state [B, HV, K, V])."""
+    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    HV = v.shape[2]
+    qt = expand_qk_heads(l2norm(q), HV)[:, 0].to(dtype)
+    kt = expand_qk_heads(l2norm(k), HV)[:, 0].to(dtype)
+    vt = v[:, 0].to(dtype)
+    B, _, K = qt.shape
+    S = initial_state.to(dtype) if initial_state is not None else qt.new_zeros(B, HV, K, vt.shape[-1])
+    S = S * g[:, 0].to(dtype).exp()[..., None, None]
+    err = vt - torch.einsum("bhkv,bhk->bhv", S, kt)
+    S = S + beta[:, 0].to(dtype)[..., None, None] * kt[..., None] * err[..., None, :]
+    o = scale * torch.einsum("bhkv,bhk->bhv", S, qt)
+    return o[:, None].to(v.dtype), S
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer (Qwen3-Next `linear_attn` layout).
+
+    Args:
+        hidden_size: model width D.
+        num_heads: q/k heads H.
+        num_v_heads: value heads HV (a multiple of H; defaults to H). HV > H is GVA.
+        head_k_dim, head_v_dim: per-head q/k and v widths.
+        conv_size: short conv kernel K (>= 2).
+        allow_neg_eigval: beta in (0, 2) instead of (0, 1).
+        norm_eps: eps of the gated RMSNorm.
+        layer_idx: this layer's index (used by caches).
+        backend: passed to `chunk_gated_delta_rule` ('auto', 'torch', 'tilelang').
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_v_heads: int | None = None,
+        head_k_dim: int = 128,
+        head_v_dim: int = 128,
+        conv_size: int = 4,
+        allow_neg_eigval: bool = False,
+        norm_eps: float = 1e-6,
+        layer_idx: int | None = None,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        for name, val in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_v_heads", num_v_heads),
+                          ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
+            if not isinstance(val, int) or val <= 0:
+                _fail(f"{name} must be a positive int, got {val!r}")
+        if num_v_heads % num_heads != 0:
+            _fail(f"num_v_heads ({num_v_heads}) must be a multiple of num_heads ({num_heads})")
+        if not isinstance(conv_size, int) or conv_size < 2:
+            _fail(f"conv_size must be an int >= 2, got {conv_size!r}")
+        if backend not in ("auto", "torch", "tilelang"):
+            _fail(f"backend must be 'auto', 'torch' or 'tilelang', got {backend!r}")
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.num_v_heads = num_v_heads
+        self.head_k_dim = head_k_dim
+        self.head_v_dim = head_v_dim
+        self.conv_size = conv_size
+        self.allow_neg_eigval = allow_neg_eigval
+        self.norm_eps = norm_eps
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.key_dim = num_heads * head_k_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+
+        factory = dict(device=device, dtype=dtype)
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False, **factory)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False, **factory)
+        self.conv1d = ShortConvolution(self.conv_dim, conv_size, bias=False, activation="silu", **factory)
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads, **factory))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads, **factory))
+        self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps, **factory)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **factory)
+        self._reset_gate_parameters()
+
+    def _reset_gate_parameters(self):
+        """A in [1, 16]; dt in [1e-3, 0.1] log-uniformly, stored as softplus^-1(dt) (Mamba-style)."""
+        if self.A_log.is_meta:
+            return
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float32).uniform_(1, 16).log())
+            lo, hi = math.log(1e-3), math.log(1e-1)
+            dt = torch.exp(torch.rand(self.num_v_heads, device=self.dt_bias.device) * (hi - lo) + lo).clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        # optimizers that honour this flag keep weight decay off the gates
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
+                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_size={self.conv_size}, "
+                f"allow_neg_eigval={self.allow_neg_eigval}, layer_idx={self.layer_idx}, backend={self.backend!r}")
+
+    # ---- construction from Hugging Face -------------------------------------------------------
+
+    @classmethod
+    def from_qwen3_next(cls, hf_layer_or_config, state_dict=None, backend: str = "auto", **overrides):
+        """Build from a transformers `Qwen3NextGatedDeltaNet` (parameters shared, not copied) or from a
+        `Qwen3NextConfig` (+ optional `linear_attn` state_dict, loaded unchanged). See `qwen3_next.py`."""
+        from .qwen3_next import gdn_from_qwen3_next
+
+        return gdn_from_qwen3_next(cls, hf_layer_or_config, state_dict=state_dict, backend=backend, **overrides)
+
+    # ---- pieces of the forward ------------------------------------------------------------------
+
+    def _project(self, x):
+        """x [B, T, D] -> mixed qkv [B, T, C] (conv input), z [B, T, HV, dv], b, a [B, T, HV]."""
+        B, T, _ = x.shape
+        H, r, dk, dv = self.num_heads, self.num_v_heads // self.num_heads, self.head_k_dim, self.head_v_dim
+        qkvz = self.in_proj_qkvz(x).view(B, T, H, 2 * dk + 2 * r * dv)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        ba = self.in_proj_ba(x).view(B, T, H, 2 * r)
+        b, a = ba.split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        return mixed, z.reshape(B, T, self.num_v_heads, dv), b.reshape(B, T, -1), a.reshape(B, T, -1)
+
+    def _gates(self, b, a):
+        """beta = sigmoid(b) (x2 with allow_neg_eigval); g = -exp(A_log) softplus(a + dt_bias); both >= fp32."""
+        dtype = torch.promote_types(a.dtype, torch.float32)
+        g = -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))
+        beta = b.to(dtype).sigmoid()
+        if self.allow_neg_eigval:
+            beta = beta * 2.0
+        return g, beta
+
+    def short_conv(self, mixed, cu_seqlens=None, conv_state=None, output_final_state=False, cp_context=None):
+        """Causal depthwise conv + SiLU over [B, T, C]. CP seam: a CP wrapper supplies the previous
+        shard's tail as `conv_state` (or overrides this method)."""
+        return self.conv1d(mixed, cu_seqlens=cu_seqlens, conv_state=conv_state, output_final_state=output_final_state)
+
+    def _core(self, q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+              cp_context=None):
+        """The gated delta rule (q, k l2-normalised inside). CP seam: `cp_context` goes to the op."""
+        if initial_state is not None:
+            initial_state = initial_state.to(torch.float64 if v.dtype == torch.float64 else torch.float32)
+        if cp_context is None and cu_seqlens is None and q.shape[1] == 1:
+            o, state = recurrent_step(q, k, v, g, beta, self.head_k_dim**-0.5, initial_state)
+            return o, (state if output_final_state else None)
+        extra = {} if cp_context is None else {"cp_context": cp_context}
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens,
+            backend=self.backend,
+            **extra,
+        )
+
+    def _output(self, o, z):
+        B, T = o.shape[:2]
+        return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
+
+    # ---- input checks --------------------------------------------------------------------------
+
+    def _check(self, x, attention_mask, cu_seqlens, conv_state, recurrent_state) -> int:
+        """Validate the forward's inputs; return the number of sequences N."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            _fail(f"hidden_states must be a 3-D tensor [B, T, hidden_size={self.hidden_size}], got {got}")
+        B, T, D = x.shape
+        if D != self.hidden_size:
+            _fail(f"hidden_states last dim is {D}, but the layer was built with hidden_size={self.hidden_size}")
+        if not x.is_floating_point():
+            _fail(f"hidden_states must be floating point, got {x.dtype}")
+        if attention_mask is not None:
+            if cu_seqlens is not None:
+                _fail("pass either attention_mask (padding) or cu_seqlens (packing), not both")
+            if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, T):
+                got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+                _fail(f"attention_mask must be a [B, T] = {(B, T)} padding mask (1 = keep), got {got}")
+        N = B
+        if cu_seqlens is not None:
+            if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64) \
+                    or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+                _fail("cu_seqlens must be a 1-D int32/int64 tensor [N+1]")
+            if B != 1:
+                _fail(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
+            edges = cu_seqlens.tolist()
+            if edges[0] != 0 or edges[-1] != T or any(b < a for a, b in zip(edges, edges[1:])):
+                _fail(f"cu_seqlens must rise from 0 to T={T}, got {edges}")
+            N = len(edges) - 1
+        if conv_state is not None:
+            W = self.conv_size - 1
+            if conv_state.dim() != 3 or conv_state.shape[0] != N or conv_state.shape[1] != self.conv_dim \
+                    or conv_state.shape[2] < W:
+                _fail(f"conv_state must be [N={N}, C={self.conv_dim}, >= {W}], got {tuple(conv_state.shape)}")
+        if recurrent_state is not None:
+            want = (N, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+            if tuple(recurrent_state.shape) != want:
+                _fail(f"recurrent state must be [N, HV, dk, dv] = {want}, got {tuple(recurrent_state.shape)}")
+        return N
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def _mix(self, hidden_states, attention_mask=None, cu_seqlens=None, conv_state=None, recurrent_state=None,
+             output_final_state=False, cp_context=None):
+        """The layer. Returns (output [B, T, D], new conv state, new recurrent state, conv input [B, T, C])."""
+        self._check(hidden_states, attention_mask, cu_seqlens, conv_state, recurrent_state)
+        keep = None
+        if attention_mask is not None:
+            # padded tokens: zero input (nothing leaks through the conv), g = beta = 0 (the state passes
+            # through untouched), zero output
+            keep = attention_mask.to(device=hidden_states.device, dtype=torch.bool)
+            hidden_states = hidden_states * keep[..., None].to(hidden_states.dtype)
+        mixed, z, b, a = self._project(hidden_states)
+        g, beta = self._gates(b, a)
+        if keep is not None:
+            g = g * keep[..., None]
+            beta = beta * keep[..., None]
+
+        conv_out, new_conv_state = self.short_conv(mixed, cu_seqlens, conv_state, output_final_state, cp_context)
+        B, T, _ = conv_out.shape
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, T, self.num_heads, self.head_k_dim)
+        k = k.reshape(B, T, self.num_heads, self.head_k_dim)
+        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
+
+        o, new_state = self._core(q, k, v, g, beta, recurrent_state, output_final_state, cu_seqlens, cp_context)
+        if keep is not None:
+            o = o * keep[..., None, None].to(o.dtype)
+        return self._output(o, z), new_conv_state, new_state, mixed
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: GDNCache | None = None,
+        use_cache: bool = False,
+        initial_state: torch.Tensor | GDNCache | None = None,
+        cp_context=None,
+    ):
+        """hidden_states [B, T, D] -> output [B, T, D], or (output, GDNCache) with use_cache=True.
+
+        attention_mask: [B, T] padding mask, 1 = real token. Padded tokens are skipped: they do not
+            reach the conv window of later tokens nor the state, and their output is 0. Works for left
+            and right padding (left padding keeps the cache usable for decoding).
+        cu_seqlens: [N+1] offsets of sequences packed along T (B == 1); the conv does not cross them.
+        cache: state from a previous call (use_cache=True) to continue N sequences.
+        initial_state: [N, HV, dk, dv] recurrent state only (conv history taken as zeros), or a GDNCache.
+        cp_context: context-parallel plan, passed to the core op (and the conv seam) when given.
+        """
+        if isinstance(initial_state, GDNCache):
+            if cache is not None:
+                _fail("pass the previous state either as cache or as initial_state, not both")
+            cache, initial_state = initial_state, None
+        if cache is not None and initial_state is not None:
+            _fail("pass the previous state either as cache or as initial_state, not both")
+        if cache is not None and not isinstance(cache, GDNCache):
+            _fail(f"cache must be a GDNCache (from a call with use_cache=True), got {type(cache).__name__}")
+        conv_state = cache.conv_state if cache is not None else None
+        recurrent_state = cache.recurrent_state if cache is not None else initial_state
+        out, new_conv, new_state, _ = self._mix(
+            hidden_states, attention_mask, cu_seqlens, conv_state, recurrent_state, use_cache, cp_context
+        )
+        if not use_cache:
+            return out
+        seen = (cache.seen_tokens if cache is not None else 0) + hidden_states.shape[1]
+        return out, GDNCache(new_conv, new_state, seen)
