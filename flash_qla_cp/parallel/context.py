@@ -128,9 +128,17 @@ class CPContext:
               intra_exact=False, intra_threshold=-10.0, intra_window=2) -> "CPContext":
         """Plan this batch. group=None: the default group if torch.distributed is initialised,
         else a single process (world 1; intra-card splitting only)."""
-        distributed = dist.is_available() and dist.is_initialized()
-        if group is None and distributed:
+        if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
+        return cls._make(cu_seqlens_global, group, seq_len_global, intra, intra_exact, intra_threshold, intra_window)
+
+    @classmethod
+    def single(cls, cu_seqlens, intra="auto", intra_exact=False, intra_threshold=-10.0, intra_window=2):
+        """One process, no collectives: intra-card CP only (even when torch.distributed is up)."""
+        return cls._make(cu_seqlens, None, None, intra, intra_exact, intra_threshold, intra_window)
+
+    @classmethod
+    def _make(cls, cu_seqlens_global, group, seq_len_global, intra, intra_exact, intra_threshold, intra_window):
         rank = dist.get_rank(group) if group is not None else 0
         world = dist.get_world_size(group) if group is not None else 1
 

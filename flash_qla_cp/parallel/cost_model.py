@@ -1,0 +1,67 @@
+"""How finely to split sequences inside one card (intra-card CP).
+
+The chunked kernels walk a sequence's chunks one after another and run (sequence, head)
+pairs side by side on the SMs. With few heads and few long sequences most SMs idle, and the
+sequential chain over chunks sets the time. Splitting a sequence into P partitions shortens
+the chain P-fold but costs extra work: the exact path reruns every non-first partition
+after the state scan (about 2x work), the decay shortcut adds only its warm-up chunks.
+
+Model (units of one chunk-step of one (sequence, head) pair on one SM):
+    time(P) = max(longest chain, total work / SMs) + scan overhead
+The plan takes the P (a power of two, at most max_partitions) with the smallest time; it
+is computed once per call from shapes alone and stored for the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_SMS = 132  # H100 SXM, used when no GPU is visible
+MIN_CHUNKS_PER_PARTITION = 8  # below this the scan and the rerun outweigh the gain
+
+
+def sm_count(device=None) -> int:
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SMS
+
+
+@dataclass(frozen=True)
+class SplitDecision:
+    partitions: list  # per sequence
+    time_split: float
+    time_whole: float
+
+
+def _time(chunks, parts, heads, sms, rerun_factor):
+    chain = max((c / p * (rerun_factor if p > 1 else 1.0) for c, p in zip(chunks, parts)), default=0.0)
+    work = sum(c * (rerun_factor if p > 1 else 1.0) for c, p in zip(chunks, parts)) * heads
+    scan = sum(p - 1 for p in parts) * 0.5  # a partition boundary ~ half a chunk-step (scan + launch)
+    return max(chain, work / sms) + scan
+
+
+def plan_partitions(chunks_per_seq, num_heads, sms=DEFAULT_SMS, force=None, max_partitions=64,
+                    min_chunks=MIN_CHUNKS_PER_PARTITION, rerun_factor=2.0) -> SplitDecision:
+    """Partitions per sequence. force: None/'auto' (model), 'off' (1) or an int P for every sequence.
+
+    A sequence never gets more partitions than it has chunks (forced) or chunks / min_chunks (auto).
+    """
+    chunks = [int(c) for c in chunks_per_seq]
+    whole = [1] * len(chunks)
+    t_whole = _time(chunks, whole, num_heads, sms, rerun_factor)
+    if force == "off" or not chunks:
+        return SplitDecision(whole, t_whole, t_whole)
+    if isinstance(force, int) and not isinstance(force, bool):
+        parts = [max(1, min(force, c)) for c in chunks]
+        return SplitDecision(parts, _time(chunks, parts, num_heads, sms, rerun_factor), t_whole)
+    best, t_best = whole, t_whole
+    P = 2
+    while P <= max_partitions:
+        parts = [max(1, min(P, c // min_chunks)) for c in chunks]
+        t = _time(chunks, parts, num_heads, sms, rerun_factor)
+        if t < t_best * 0.95:  # split only for a clear gain
+            best, t_best = parts, t
+        P *= 2
+    return SplitDecision(best, t_best, t_whole)

@@ -1,0 +1,56 @@
+"""Dual CP: the inter-card scheme across ranks, the intra-card split inside each rank.
+
+The inter layer only needs a local engine with a fwd/bwd contract; the intra engine keeps
+that contract, so each rank's partitions are seeded by the state the inter scan delivers.
+With world size 1 the inter layer makes no collective call: intra-card CP alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.shapes import l2norm
+from .context import CPContext, CPError
+from .inter import InterCP, OpEngine
+from .intra import IntraEngine
+
+
+def local_engine(cp: CPContext, backend="auto"):
+    base = OpEngine(backend)
+    if cp.intra == "off":
+        return base
+    return IntraEngine(base, force=cp.intra, exact=cp.intra_exact, threshold=cp.intra_threshold,
+                       window=cp.intra_window)
+
+
+def cp_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                              use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_v_first=False,
+                              backend="auto", cp_context: CPContext | None = None):
+    """The public op under CP. q, k, v, g, beta are this rank's [1, T_global / world, ...] slice.
+
+    initial_state: [N_global, HV, K, V] (same on every rank) or None. Returns (o local,
+    final_state [N_global, ...] identical on every rank, or None). See docs/context_parallel.md
+    for how gradients of the replicated initial/final states are split over ranks.
+    """
+    cp = cp_context
+    if not isinstance(cp, CPContext):
+        raise CPError(f"cp_context must be a CPContext (CPContext.build), got {type(cp).__name__}")
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise CPError(f"under CP the inputs are packed: B must be 1, got q of shape {tuple(q.shape)}")
+    if q.shape[1] != cp.local_len:
+        raise CPError(f"rank {cp.rank} holds {cp.local_len} tokens (T_global={cp.seq_len_global} / world="
+                      f"{cp.world}), but q has {q.shape[1]}; pass this rank's slice (CPContext.local_slice)")
+    if cu_seqlens is not None and cu_seqlens.tolist() != cp.cu_seqlens_global:
+        raise CPError("cu_seqlens must be None or the global cu_seqlens the CPContext was built with")
+    N = cp.num_seqs_global
+    if initial_state is not None and initial_state.shape[0] != N:
+        raise CPError(f"initial_state must hold all {N} global sequences, got {tuple(initial_state.shape)}")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    h0 = initial_state.transpose(-1, -2) if (state_v_first and initial_state is not None) else initial_state
+    o, final = InterCP.apply(q, k, v, g, beta, h0, cp, local_engine(cp, backend), scale, output_final_state)
+    if final is not None and state_v_first:
+        final = final.transpose(-1, -2)
+    return o, final

@@ -1,0 +1,34 @@
+"""Dual CP: intra-card partitions inside each of 2 / 3 gloo ranks, seeded by the inter-card scan."""
+
+import pytest
+import torch
+
+from test_cp_inter import compare_case, lengths_for, run_workers
+
+# 256 tokens (4 chunks) per rank, so every rank really splits its long pieces
+DUAL_CASES = [
+    dict(kind="one_long", intra=3, intra_exact=True),  # pass-through ranks for world >= 3
+    dict(kind="mixed", intra=2, intra_exact=True),
+    dict(kind="mixed", intra=4, intra_exact=True, dtype=torch.float32),
+    dict(kind="one_long", intra="auto", intra_exact=True, with_h0=False),
+    # every head decays strongly: the warm-up shortcut replaces the carried state
+    dict(kind="one_long", intra=4, gates=dict(strong_decay_heads=4, zero_gate_heads=0), tol=1e-8),
+]
+
+
+def _dual_worker(rank, world):
+    out = []
+    for i, case in enumerate(DUAL_CASES):
+        case = dict(case)
+        case.pop("tol", None)
+        out.append(compare_case(rank, world, lengths_for(world, case.pop("kind"), 256), seed=10 + i, **case))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dual_cp_matches_single_process(world):
+    for rank, res in enumerate(run_workers(world, _dual_worker)):
+        for case, errs in zip(DUAL_CASES, res):
+            tol = case.get("tol", 1e-5 if case.get("dtype") == torch.float32 else 1e-10)
+            bad = {k: v for k, v in errs.items() if not v < tol}
+            assert not bad, f"world={world} rank={rank} case={case}: {bad}"
