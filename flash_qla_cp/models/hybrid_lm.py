@@ -108,23 +108,11 @@ def layout_from_cu_seqlens(cu_seqlens, length: int) -> TokenLayout:
     return TokenLayout(cu, [0, length], 0, None)
 
 
-def layout_from_cp_context(cp_context) -> TokenLayout:
-    """Read the rank layout from a `flash_qla_cp.parallel.CPContext` (duck-typed)."""
-    from ..parallel import CPContext  # noqa: F401  (fail clearly when the CP layer is missing)
-
-    return cp_context_layout(cp_context)
-
-
 def cp_context_layout(ctx) -> TokenLayout:
-    cu = getattr(ctx, "cu_seqlens_global", None)
-    if cu is None:
-        cu = getattr(ctx, "cu_seqlens")
-    cu = [int(c) for c in (cu.tolist() if isinstance(cu, torch.Tensor) else cu)]
-    starts = getattr(ctx, "rank_offsets", None)
-    if starts is None:
-        starts = getattr(ctx, "offsets")
-    starts = [int(s) for s in (starts.tolist() if isinstance(starts, torch.Tensor) else starts)]
-    return TokenLayout(cu, starts, int(ctx.rank), getattr(ctx, "group", None))
+    """Read the rank layout from a `flash_qla_cp.parallel.CPContext` (equal contiguous slices)."""
+    cu = [int(c) for c in ctx.cu_seqlens_global]
+    L = ctx.seq_len_global // ctx.world
+    return TokenLayout(cu, [r * L for r in range(ctx.world + 1)], int(ctx.rank), ctx.group)
 
 
 class RMSNorm(nn.Module):

@@ -1,10 +1,14 @@
 """The Gated DeltaNet layer of Qwen3-Next as an nn.Module, on top of `chunk_gated_delta_rule`.
 
-Parameters use the Hugging Face Qwen3-Next `linear_attn` names and shapes, so its state_dict
-loads unchanged and round-trips:
+Parameters use the Hugging Face `linear_attn` names and shapes, so its state_dict loads unchanged
+and round-trips. proj_layout='qwen3_next' (Qwen3-Next):
 
     in_proj_qkvz.weight [2*H*dk + 2*HV*dv, D]   rows grouped per key head: (q_h, k_h, v_group_h, z_group_h)
     in_proj_ba.weight   [2*HV, D]               rows grouped per key head: (b_group_h, a_group_h)
+
+proj_layout='qwen3_5' (Qwen3.5): in_proj_qkv [2*H*dk + HV*dv, D] (all q, all k, all v), in_proj_z
+[HV*dv, D], in_proj_b and in_proj_a [HV, D]. Both layouts share:
+
     conv1d.weight       [C, 1, K]               C = 2*H*dk + HV*dv, channels (q, k, v), heads flattened
     dt_bias, A_log      [HV]
     norm.weight         [dv]
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from ..kernels.shapes import expand_qk_heads, l2norm
 from ..ops import chunk_gated_delta_rule
 from .norm import GatedRMSNorm
-from .short_conv import ShortConvolution
+from .short_conv import ShortConvolution, last_kept_inputs
 
 
 def _fail(message: str):
@@ -79,6 +83,8 @@ class GatedDeltaNet(nn.Module):
         norm_eps: eps of the gated RMSNorm.
         layer_idx: this layer's index (used by caches).
         backend: passed to `chunk_gated_delta_rule` ('auto', 'torch', 'tilelang').
+        proj_layout: 'qwen3_next' (grouped in_proj_qkvz / in_proj_ba) or 'qwen3_5' (separate
+            in_proj_qkv / in_proj_z / in_proj_b / in_proj_a); the math is the same.
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class GatedDeltaNet(nn.Module):
         norm_eps: float = 1e-6,
         layer_idx: int | None = None,
         backend: str = "auto",
+        proj_layout: str = "qwen3_next",
         device=None,
         dtype=None,
     ):
@@ -108,6 +115,8 @@ class GatedDeltaNet(nn.Module):
             _fail(f"conv_size must be an int >= 2, got {conv_size!r}")
         if backend not in ("auto", "torch", "tilelang"):
             _fail(f"backend must be 'auto', 'torch' or 'tilelang', got {backend!r}")
+        if proj_layout not in ("qwen3_next", "qwen3_5"):
+            _fail(f"proj_layout must be 'qwen3_next' or 'qwen3_5', got {proj_layout!r}")
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.num_v_heads = num_v_heads
@@ -118,13 +127,20 @@ class GatedDeltaNet(nn.Module):
         self.norm_eps = norm_eps
         self.layer_idx = layer_idx
         self.backend = backend
+        self.proj_layout = proj_layout
         self.key_dim = num_heads * head_k_dim
         self.value_dim = num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
 
         factory = dict(device=device, dtype=dtype)
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False, **factory)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False, **factory)
+        if proj_layout == "qwen3_next":
+            self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False, **factory)
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False, **factory)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False, **factory)
+            self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False, **factory)
+            self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False, **factory)
+            self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False, **factory)
         self.conv1d = ShortConvolution(self.conv_dim, conv_size, bias=False, activation="silu", **factory)
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads, **factory))
         self.A_log = nn.Parameter(torch.empty(num_v_heads, **factory))
@@ -148,23 +164,30 @@ class GatedDeltaNet(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
                 f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_size={self.conv_size}, "
-                f"allow_neg_eigval={self.allow_neg_eigval}, layer_idx={self.layer_idx}, backend={self.backend!r}")
+                f"allow_neg_eigval={self.allow_neg_eigval}, layer_idx={self.layer_idx}, backend={self.backend!r}, "
+                f"proj_layout={self.proj_layout!r}")
 
     # ---- construction from Hugging Face -------------------------------------------------------
 
     @classmethod
     def from_qwen3_next(cls, hf_layer_or_config, state_dict=None, backend: str = "auto", **overrides):
-        """Build from a transformers `Qwen3NextGatedDeltaNet` (parameters shared, not copied) or from a
-        `Qwen3NextConfig` (+ optional `linear_attn` state_dict, loaded unchanged). See `qwen3_next.py`."""
+        """Build from a transformers `Qwen3NextGatedDeltaNet` / `Qwen3_5GatedDeltaNet` (parameters shared,
+        not copied) or from its config (+ optional `linear_attn` state_dict, loaded unchanged). The
+        projection layout follows the layer / state_dict / config. See `qwen3_next.py`."""
         from .qwen3_next import gdn_from_qwen3_next
 
         return gdn_from_qwen3_next(cls, hf_layer_or_config, state_dict=state_dict, backend=backend, **overrides)
+
+    from_hf = from_qwen3_next  # same for Qwen3.5 layers and configs
 
     # ---- pieces of the forward ------------------------------------------------------------------
 
     def _project(self, x):
         """x [B, T, D] -> mixed qkv [B, T, C] (conv input), z [B, T, HV, dv], b, a [B, T, HV]."""
         B, T, _ = x.shape
+        if self.proj_layout == "qwen3_5":
+            z = self.in_proj_z(x).view(B, T, self.num_v_heads, self.head_v_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
         H, r, dk, dv = self.num_heads, self.num_v_heads // self.num_heads, self.head_k_dim, self.head_v_dim
         qkvz = self.in_proj_qkvz(x).view(B, T, H, 2 * dk + 2 * r * dv)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
@@ -183,9 +206,24 @@ class GatedDeltaNet(nn.Module):
         return g, beta
 
     def short_conv(self, mixed, cu_seqlens=None, conv_state=None, output_final_state=False, cp_context=None):
-        """Causal depthwise conv + SiLU over [B, T, C]. CP seam: a CP wrapper supplies the previous
-        shard's tail as `conv_state` (or overrides this method)."""
-        return self.conv1d(mixed, cu_seqlens=cu_seqlens, conv_state=conv_state, output_final_state=output_final_state)
+        """Causal depthwise conv + SiLU over [B, T, C] -> (y, new conv state or None).
+
+        Under CP, `mixed` is this rank's slice: the conv runs on the local pieces of the sequences,
+        the first one continued by the previous rank's last K-1 inputs (the halo; zeros when that
+        sequence starts here)."""
+        if cp_context is None:
+            return self.conv1d(mixed, cu_seqlens=cu_seqlens, conv_state=conv_state,
+                               output_final_state=output_final_state)
+        from ..parallel.conv_halo import exchange_conv_halo
+
+        halo = exchange_conv_halo(mixed, cp_context, self.conv_size)  # [1, K-1, C]
+        local_cu = cp_context.local_cu_seqlens(mixed.device)
+        state = halo.transpose(1, 2)
+        others = local_cu.numel() - 2  # local pieces after the first start fresh
+        if others > 0:
+            state = torch.cat([state, state.new_zeros(others, *state.shape[1:])])
+        y, _ = self.conv1d(mixed, cu_seqlens=local_cu, conv_state=state)
+        return y, None
 
     def _core(self, q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
               cp_context=None):
@@ -226,7 +264,8 @@ class GatedDeltaNet(nn.Module):
             if cu_seqlens is not None:
                 _fail("pass either attention_mask (padding) or cu_seqlens (packing), not both")
             if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, T):
-                got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+                got = (tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
+                       else type(attention_mask).__name__)
                 _fail(f"attention_mask must be a [B, T] = {(B, T)} padding mask (1 = keep), got {got}")
         N = B
         if cu_seqlens is not None:
@@ -255,7 +294,14 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, hidden_states, attention_mask=None, cu_seqlens=None, conv_state=None, recurrent_state=None,
              output_final_state=False, cp_context=None):
         """The layer. Returns (output [B, T, D], new conv state, new recurrent state, conv input [B, T, C])."""
-        self._check(hidden_states, attention_mask, cu_seqlens, conv_state, recurrent_state)
+        if cp_context is None:
+            self._check(hidden_states, attention_mask, cu_seqlens, conv_state, recurrent_state)
+        else:
+            # the op checks cu_seqlens and the state against the global batch the plan was built for
+            self._check(hidden_states, None, None, None, None)
+            if attention_mask is not None or conv_state is not None or output_final_state:
+                _fail("under context parallelism pass packed sequences (cu_seqlens); attention_mask, "
+                      "cache and use_cache are not supported")
         keep = None
         if attention_mask is not None:
             # padded tokens: zero input (nothing leaks through the conv), g = beta = 0 (the state passes
@@ -269,6 +315,9 @@ class GatedDeltaNet(nn.Module):
             beta = beta * keep[..., None]
 
         conv_out, new_conv_state = self.short_conv(mixed, cu_seqlens, conv_state, output_final_state, cp_context)
+        if keep is not None and output_final_state:
+            # right padding: the history to carry is the last real inputs, not the trailing pad zeros
+            new_conv_state = last_kept_inputs(mixed, keep, self.conv_size - 1, conv_state)
         B, T, _ = conv_out.shape
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.num_heads, self.head_k_dim)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Normalise before gating; computed in at least fp32 (half inputs would lose the variance), output in x's dtype."""
+    """Normalise before gating; in at least fp32 (half inputs would lose the variance); output in x's dtype."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(dtype)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -41,53 +41,57 @@ def causal_conv1d_varlen(
     x: [B, T, C] (B == 1 with cu_seqlens); weight: [C, K] or [C, 1, K]; conv_state: [N, C, >= K-1]
     (only the last K-1 columns are read). Returns (y [B, T, C] in x's dtype, new state [N, C, K-1] or None).
     Computed in the weight's dtype, like nn.Conv1d would.
+
+    One F.conv1d runs over the whole stream; only the first K-1 tokens of each sequence, whose windows
+    reach past its start, are recomputed from gathered windows (memory stays O(T C), not O(T K C)).
     """
-    if weight.dim() == 3:
-        weight = weight.squeeze(1)
+    weight3 = weight if weight.dim() == 3 else weight[:, None]
+    weight2 = weight3[:, 0]
+    if activation not in ("silu", None):
+        raise ValueError(f"causal_conv1d_varlen: unsupported activation {activation!r}")
     B, T, C = x.shape
-    K = weight.shape[-1]
+    K = weight2.shape[-1]
     W = K - 1
+    xw = x.to(weight2.dtype)
+    y = F.conv1d(xw.transpose(1, 2), weight3, bias, padding=W, groups=C)[..., :T].transpose(1, 2)
+
     seq, pos, lengths, ends = _sequence_layout(B, T, cu_seqlens, x.device)
     N = lengths.numel()
-    xf = x.reshape(B * T, C).to(weight.dtype)
     if conv_state is not None:
-        hist = conv_state[..., conv_state.shape[-1] - W :].to(weight.dtype)  # [N, C, W]
+        hist = conv_state[..., conv_state.shape[-1] - W :].to(weight2.dtype)  # [N, C, W]
         hist = hist.transpose(1, 2).reshape(N * W, C)
     else:
-        hist = xf.new_zeros(N * W, C)
+        hist = xw.new_zeros(N * W, C)
     # one table holds the carried history rows, then the tokens, then a zero row for "before the start"
-    table = torch.cat([hist, xf, xf.new_zeros(1, C)])
+    table = torch.cat([hist, xw.reshape(B * T, C), xw.new_zeros(1, C)])
     zero_row = table.shape[0] - 1
-    have_hist = conv_state is not None
     starts = ends - lengths
 
     def gather_index(seq_id, p):
-        """Row of `table` for position p (may be negative) of sequence seq_id."""
+        """Row of `table` for position p (>= -W) of sequence seq_id."""
         token_row = N * W + starts[seq_id] + p
         hist_row = seq_id * W + (W + p)  # p in [-W, -1] -> history column W + p
-        before = torch.full_like(p, zero_row)
-        inside = torch.where(p >= -W, hist_row, before) if have_hist else before
-        return torch.where(p >= 0, token_row, inside)
+        before = hist_row if conv_state is not None else torch.full_like(p, zero_row)
+        return torch.where(p >= 0, token_row, before)
 
-    offsets = torch.arange(-W, 1, device=x.device)  # window slot i reads position pos - W + i
-    idx = gather_index(seq[:, None], pos[:, None] + offsets[None, :])  # [B*T, K]
-    windows = table[idx]  # [B*T, K, C]
-    y = torch.einsum("tkc,ck->tc", windows, weight)
-    if bias is not None:
-        y = y + bias
+    # plain rows already saw zeros before their start; packed sequences and carried states need the fix
+    if cu_seqlens is not None or conv_state is not None:
+        fix = (pos < W).nonzero().squeeze(1)
+        offsets = torch.arange(-W, 1, device=x.device)  # window slot i reads position pos - W + i
+        idx = gather_index(seq[fix, None], pos[fix, None] + offsets[None, :])  # [F, K]
+        y_fix = torch.einsum("fkc,ck->fc", table[idx], weight2)
+        if bias is not None:
+            y_fix = y_fix + bias
+        y = y.reshape(B * T, C).index_put((fix,), y_fix).reshape(B, T, C)
     if activation == "silu":
         y = F.silu(y)
-    elif activation is not None:
-        raise ValueError(f"causal_conv1d_varlen: unsupported activation {activation!r}")
-    y = y.to(x.dtype).reshape(B, T, C)
+    y = y.to(x.dtype)
 
     final = None
-    if output_final_state and W > 0:
+    if output_final_state:
         cols = lengths[:, None] - W + torch.arange(W, device=x.device)[None, :]  # positions of the last W inputs
         sid = torch.arange(N, device=x.device)[:, None].expand(N, W)
-        final = table[gather_index(sid, cols)].transpose(1, 2).contiguous()  # [N, C, W]
-    elif output_final_state:
-        final = x.new_zeros(N, C, 0)
+        final = table[gather_index(sid, cols)].transpose(1, 2).to(x.dtype).contiguous()  # [N, C, W]
     return y, final
 
 
@@ -111,3 +115,21 @@ class ShortConvolution(nn.Conv1d):
         """x [B, T, C] -> (y [B, T, C], new state [N, C, K-1] or None). See `causal_conv1d_varlen`."""
         return causal_conv1d_varlen(x, self.weight, self.bias, cu_seqlens, conv_state, output_final_state,
                                     self.activation)
+
+
+def last_kept_inputs(x: torch.Tensor, keep: torch.Tensor, width: int, conv_state: torch.Tensor | None = None):
+    """Conv state after a padded batch: the last `width` inputs of each row whose keep is True
+    (older ones from conv_state, else 0). x [B, T, C], keep [B, T] bool -> [B, C, width]."""
+    B, T, C = x.shape
+    pos = torch.arange(T, device=x.device).expand(B, T)
+    kept_first = torch.sort(torch.where(keep, pos, pos + T), dim=1).values  # kept positions first, in order
+    n = keep.sum(1, keepdim=True)  # [B, 1]
+    k = n - width + torch.arange(width, device=x.device)  # index among kept tokens, [B, width]
+    rows = torch.gather(kept_first, 1, k.clamp(0, T - 1)) if T > 0 else torch.zeros_like(k)
+    out = torch.gather(x, 1, rows[..., None].expand(B, width, C))  # [B, width, C]
+    if conv_state is not None:
+        hist = conv_state[..., conv_state.shape[-1] - width :].transpose(1, 2).to(x.dtype)  # [B, width, C]
+        older = torch.gather(hist, 1, (width + k).clamp(0, width - 1)[..., None].expand(B, width, C))
+    else:
+        older = torch.zeros_like(out)
+    return torch.where((k >= 0)[..., None], out, older).transpose(1, 2).contiguous()
