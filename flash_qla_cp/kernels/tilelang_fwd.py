@@ -59,13 +59,15 @@ __all__ = [
     "tilelang_chunk_gated_delta_rule_fwd",
     "prepare_fwd",
     "fwd_kernel_specs",
+    "default_fused_config",
 ]
 
 
 # ----------------------------------------------------------------------------------------
 # Kernel 1: chunk-local cumsum + K K^T + triangular inverse, gating folded in.
 # ----------------------------------------------------------------------------------------
-def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, threads: int = 128):
+def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, threads: int = 128,
+                         inv_dtype: str = "float16"):
     """PrimFunc computing G (cumsum of g) and Ag for every chunk and v-head.
 
     Non-varlen arguments: k [B,T,H,K] dtype, g [B,T,HV] fp32, beta [B,T,HV] fp32,
@@ -86,13 +88,13 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
         g_s = T.alloc_shared((C,), acc)
         b_s = T.alloc_shared((C,), acc)
         kk_f = T.alloc_fragment((C, C), acc)
-        ld_s = T.alloc_shared((C, C), acc)  # strictly lower part inside the 16x16 diagonal blocks
-        n_s = T.alloc_shared((C, C), acc)  # strictly block-lower part
-        d_s = T.alloc_shared((C, C), acc)  # inverse of the block-diagonal part
-        e_s = T.alloc_shared((C, C), acc)
-        z_s = T.alloc_shared((C, C), acc)
+        # inversion operands: fp16 (wgmma, same 10-bit mantissa as tf32) or fp32 (tf32 mma)
+        n_s = T.alloc_shared((C, C), inv_dtype)  # beta k k^T strictly lower -> then N -> then E
+        d_s = T.alloc_shared((C, C), inv_dtype)  # inverse of the block-diagonal part
+        z_s = T.alloc_shared((C, C), inv_dtype)
         z_f = T.alloc_fragment((C, C), acc)
         out_s = T.alloc_shared((C, C), dtype)
+        col = T.alloc_local((16,), acc)
         run = T.alloc_local((1,), acc)
 
         tx = T.get_thread_binding()
@@ -119,38 +121,46 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
 
         T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
         for i, j in T.Parallel(C, C):
-            ld_s[i, j] = T.if_then_else((i > j) and (i // 16 == j // 16), kk_f[i, j] * b_s[i], T.float32(0))
-            n_s[i, j] = T.if_then_else(i // 16 > j // 16, kk_f[i, j] * b_s[i], T.float32(0))
-            d_s[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))
+            n_s[i, j] = T.cast(T.if_then_else(i > j, kk_f[i, j] * b_s[i], T.float32(0)), inv_dtype)
+            d_s[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), T.float32(0)), inv_dtype)
+        T.sync_threads()
 
         # Column-wise forward substitution inside each 16x16 diagonal block: thread (blk, c)
-        # owns column c of block blk, so it needs no synchronisation with other threads.
+        # owns column c of block blk in registers, so it needs no other thread's results.
         if tx < 64:
             blk = tx // 16
             c = tx % 16
-            for r in T.serial(1, 16):
+            for r in T.unroll(16):
+                col[r] = T.if_then_else(r == c, T.float32(1), T.float32(0))
+            for r in T.unroll(1, 16):
                 run[0] = T.float32(0)
-                for m in T.serial(15):
-                    if m < r:
-                        run[0] += ld_s[blk * 16 + r, blk * 16 + m] * d_s[blk * 16 + m, blk * 16 + c]
+                for m in T.unroll(r):
+                    run[0] += T.cast(n_s[blk * 16 + r, blk * 16 + m], acc) * col[m]
                 if r > c:
-                    d_s[blk * 16 + r, blk * 16 + c] = -run[0]
+                    col[r] = -run[0]
+            for r in T.unroll(16):
+                d_s[blk * 16 + r, blk * 16 + c] = T.cast(col[r], inv_dtype)
+        T.sync_threads()
+        # keep only the strictly block-lower part N
+        for i, j in T.Parallel(C, C):
+            if i // 16 == j // 16:
+                n_s[i, j] = T.cast(0, inv_dtype)
 
         # (I + Lm)^-1 = (I + E)^-1 D with E = D N nilpotent of order 4:
         # M = D - E (D - E (D - E D)).
         T.gemm(d_s, n_s, z_f, clear_accum=True)
-        T.copy(z_f, e_s)
-        T.gemm(e_s, d_s, z_f, clear_accum=True)
+        T.copy(z_f, n_s)  # n_s now holds E
+        T.gemm(n_s, d_s, z_f, clear_accum=True)
         for i, j in T.Parallel(C, C):
-            z_s[i, j] = d_s[i, j] - z_f[i, j]
-        T.gemm(e_s, z_s, z_f, clear_accum=True)
+            z_s[i, j] = T.cast(T.cast(d_s[i, j], acc) - z_f[i, j], inv_dtype)
+        T.gemm(n_s, z_s, z_f, clear_accum=True)
         for i, j in T.Parallel(C, C):
-            n_s[i, j] = d_s[i, j] - z_f[i, j]
-        T.gemm(e_s, n_s, z_f, clear_accum=True)
+            z_s[i, j] = T.cast(T.cast(d_s[i, j], acc) - z_f[i, j], inv_dtype)
+        T.gemm(n_s, z_s, z_f, clear_accum=True)
         for i, j in T.Parallel(C, C):
             out_s[i, j] = T.if_then_else(
                 (i >= j) and (i < L) and (j < L),
-                (d_s[i, j] - z_f[i, j]) * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j],
+                (T.cast(d_s[i, j], acc) - z_f[i, j]) * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j],
                 T.float32(0),
             )
         if L == C:
@@ -222,6 +232,9 @@ def build_fused_fwd_kernel(
     state_v_first: bool = False,
     block_v: int = 64,
     threads: int = 128,
+    num_stages: int = 2,
+    async_mma: bool = True,
+    o_store_smem: bool = False,
 ):
     """PrimFunc walking every sequence chunk by chunk with S[K, block_v] held in fp32.
 
@@ -249,9 +262,11 @@ def build_fused_fwd_kernel(
         v_s = T.alloc_shared((C, BV), dtype)
         a_s = T.alloc_shared((C, C), dtype)
         g_s = T.alloc_shared((C,), acc)
+        gl_s = T.alloc_shared((C,), acc)
         h_s = T.alloc_shared((K, BV), dtype)
         w_s = T.alloc_shared((C, BV), dtype)
         vn_s = T.alloc_shared((C, BV), dtype)
+        vd_s = T.alloc_shared((C, BV), dtype)
         p_s = T.alloc_shared((C, C), dtype)
         o_s = T.alloc_shared((C, BV), dtype)
 
@@ -272,72 +287,74 @@ def build_fused_fwd_kernel(
             T.clear(s_f)
 
         n_chunks = T.ceildiv(seq_len, C)
-        for c in T.serial(n_chunks):
+        for c in T.Pipelined(n_chunks, num_stages=num_stages):
             t0 = t_start + c * C
             L = T.min(seq_len - c * C, C)
-            if L == C:
-                T.copy(q[bb, t0 : t0 + C, bh, :], q_s)
-                T.copy(k[bb, t0 : t0 + C, bh, :], k_s)
-                T.copy(v[bb, t0 : t0 + C, bhv, v0 : v0 + BV], v_s)
-                T.copy(ag[bb, t0 : t0 + C, bhv, :], a_s)
-                for i in T.Parallel(C):
-                    g_s[i] = gc[bb, t0 + i, bhv]
-            else:
-                for i, d in T.Parallel(C, K):
-                    if i < L:
-                        q_s[i, d] = q[bb, t0 + i, bh, d]
-                        k_s[i, d] = k[bb, t0 + i, bh, d]
-                    else:
-                        q_s[i, d] = T.cast(0, dtype)
-                        k_s[i, d] = T.cast(0, dtype)
-                for i, j in T.Parallel(C, BV):
-                    if i < L:
-                        v_s[i, j] = v[bb, t0 + i, bhv, v0 + j]
-                    else:
-                        v_s[i, j] = T.cast(0, dtype)
-                for i, j in T.Parallel(C, C):
-                    if i < L:
-                        a_s[i, j] = ag[bb, t0 + i, bhv, j]
-                    else:
-                        a_s[i, j] = T.cast(0, dtype)
-                for i in T.Parallel(C):
-                    # padding rows repeat the last valid G: every exponent below stays <= 0
-                    g_s[i] = gc[bb, t0 + T.min(i, L - 1), bhv]
+            # Whole 64-row tiles are loaded even for a partial last chunk: rows >= L hold the
+            # next sequence's tokens (or zeros past the end of the tensor). They are harmless:
+            # Ag has zero columns >= L, the causal mask keeps them out of valid outputs, and
+            # the state update selects them away below.
+            T.copy(q[bb, t0 : t0 + C, bh, :], q_s)
+            T.copy(k[bb, t0 : t0 + C, bh, :], k_s)
+            T.copy(v[bb, t0 : t0 + C, bhv, v0 : v0 + BV], v_s)
+            T.copy(ag[bb, t0 : t0 + C, bhv, :], a_s)
+            for i in T.Parallel(C):
+                # padding rows repeat the last valid G: every exponent below stays <= 0
+                g_s[i] = gc[bb, t0 + T.min(i, L - 1), bhv]
 
+            # Private copy of G: the pipeliner may hand g_s's stage back to the producer as
+            # soon as the q_s group is released, so later reads go to gl_s.
+            for i in T.Parallel(C):
+                gl_s[i] = g_s[i]
             T.copy(s_f, h_s)
-            # x = k S
-            T.gemm(k_s, h_s, x_f, clear_accum=True)
+            if async_mma:
+                # three independent products, one wait; the last one is synchronous so that
+                # q_s / k_s are no longer read when their stage is released to the producer
+                T.wgmma_gemm(k_s, h_s, x_f, clear_accum=True)
+                T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+                T.gemm(q_s, h_s, o_f, clear_accum=True)
+            else:
+                T.gemm(k_s, h_s, x_f, clear_accum=True)
+                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+                T.gemm(q_s, h_s, o_f, clear_accum=True)
             for i, j in T.Parallel(C, BV):
-                w_s[i, j] = v_s[i, j] - T.exp2(g_s[i] * LOG2E) * x_f[i, j]
-            # v_new = Ag (v - exp(G) k S)
-            T.gemm(a_s, w_s, vn_f, clear_accum=True)
-            T.copy(vn_f, vn_s)
-            # intra-chunk scores
-            T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+                w_s[i, j] = v_s[i, j] - T.exp2(gl_s[i] * LOG2E) * x_f[i, j]
             for i, j in T.Parallel(C, C):
                 p_s[i, j] = T.if_then_else(
-                    i >= j, p_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * scale, T.float32(0)
+                    i >= j, p_f[i, j] * T.exp2((gl_s[i] - gl_s[j]) * LOG2E) * scale, T.float32(0)
                 )
-            # o = scale exp(G) q S + P v_new
-            T.gemm(q_s, h_s, o_f, clear_accum=True)
             for i, j in T.Parallel(C, BV):
-                o_f[i, j] = o_f[i, j] * (T.exp2(g_s[i] * LOG2E) * scale)
-            T.gemm(p_s, vn_s, o_f)
-            if L == C:
-                T.copy(o_f, o_s)
-                T.copy(o_s, o[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
-            else:
-                T.copy(o_f, o_s)
-                for i, j in T.Parallel(C, BV):
-                    if i < L:
-                        o[bb, t0 + i, bhv, v0 + j] = o_s[i, j]
-            # state update
-            glast = g_s[C - 1]
+                o_f[i, j] = o_f[i, j] * (T.exp2(gl_s[i] * LOG2E) * scale)
+            # v_new = Ag (v - exp(G) k S)
+            T.gemm(a_s, w_s, vn_f, clear_accum=True)
+            glast = gl_s[C - 1]
             for i, j in T.Parallel(C, BV):
-                vn_s[i, j] = T.if_then_else(i < L, vn_f[i, j] * T.exp2((glast - g_s[i]) * LOG2E), T.float32(0))
+                vn_s[i, j] = vn_f[i, j]
+                vd_s[i, j] = T.if_then_else(i < L, vn_f[i, j] * T.exp2((glast - gl_s[i]) * LOG2E), T.float32(0))
             for i, j in T.Parallel(K, BV):
                 s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
-            T.gemm(k_s, vn_s, s_f, transpose_A=True)
+            # o += P v_new ; S = exp(G_L) S + (k exp(G_L - G))^T v_new
+            if async_mma:
+                T.wgmma_gemm(p_s, vn_s, o_f)
+                T.gemm(k_s, vd_s, s_f, transpose_A=True)  # synchronous: waits for both
+            else:
+                T.gemm(p_s, vn_s, o_f)
+                T.gemm(k_s, vd_s, s_f, transpose_A=True)
+            if o_store_smem:
+                # through shared memory (TMA store for whole chunks)
+                if L == C:
+                    T.copy(o_f, o_s)
+                    T.copy(o_s, o[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
+                else:
+                    T.copy(o_f, o_s)
+                    for i, j in T.Parallel(C, BV):
+                        if i < L:
+                            o[bb, t0 + i, bhv, v0 + j] = o_s[i, j]
+            else:
+                # straight from registers: no wait on a bulk store in the chunk loop
+                for i, j in T.Parallel(C, BV):
+                    if i < L:
+                        o[bb, t0 + i, bhv, v0 + j] = o_f[i, j]
 
         if store_final_state:
             if state_v_first:
@@ -395,6 +412,16 @@ def build_fused_fwd_kernel(
 # ----------------------------------------------------------------------------------------
 # Python entry points
 # ----------------------------------------------------------------------------------------
+_SM_COUNTS = {}
+
+
+def _sm_count(device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNTS:
+        _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNTS[idx]
+
+
 def _check_inputs(q, k, v, g, beta, cu_seqlens):
     assert q.dtype in (torch.bfloat16, torch.float16), "q/k/v must be bf16 or fp16"
     assert q.dtype == k.dtype == v.dtype
@@ -408,22 +435,41 @@ def _check_inputs(q, k, v, g, beta, cu_seqlens):
     return B, Tn, H, K, HV, V
 
 
+def default_fused_config(n_seqs, HV, V, sm_count=132, K=128):
+    """Tile choice for the fused kernel. Each CTA walks a whole sequence for one v-head and one
+    V block, so with few (sequence, v-head) pairs narrower V blocks buy parallelism and a
+    shorter per-chunk critical path. Picked from H200 timings (benchmarks/results/tune_fwd_h200.json):
+    256 pairs -> block_v 64; 32 pairs -> block_v 32 with two consumer warpgroups; 4 pairs -> 16.
+    """
+    pairs = n_seqs * HV
+    if K > 128:
+        # q/k tiles of 64 x K, double-buffered, leave room for block_v <= 32 only
+        return {"block_v": 32 if pairs * (V // 32) >= sm_count // 2 else 16, "threads": 128}
+    if V % 64 == 0 and pairs * (V // 64) >= sm_count:
+        return {"block_v": 64, "threads": 128}
+    if V % 32 == 0 and pairs * (V // 32) >= sm_count // 2:
+        return {"block_v": 32, "threads": 256}
+    return {"block_v": 16, "threads": 128}
+
+
 def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, store_final_state,
-                     state_v_first=False, block_v=None):
-    """[(factory, params)] of the kernels one forward call uses (for `precompile`)."""
+                     state_v_first=False, block_v=None, **fused_opts):
+    """[(factory, params)] of the kernels one forward call uses (for `precompile`).
+
+    `fused_opts` go to `build_fused_fwd_kernel` (threads, num_stages, async_mma, o_store_smem).
+    """
     if block_v is None:
         block_v = 64 if V % 64 == 0 else V
     dtype = tl_dtype(dtype)
+    fused = dict(
+        H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), is_varlen=bool(is_varlen),
+        use_initial_state=bool(use_initial_state), store_final_state=bool(store_final_state),
+        state_v_first=bool(state_v_first), block_v=int(block_v),
+    )
+    fused.update({k: v for k, v in fused_opts.items() if v is not None})
     return [
         (build_prepare_kernel, dict(H=H, HV=HV, K=K, dtype=dtype, is_varlen=bool(is_varlen))),
-        (
-            build_fused_fwd_kernel,
-            dict(
-                H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), is_varlen=bool(is_varlen),
-                use_initial_state=bool(use_initial_state), store_final_state=bool(store_final_state),
-                state_v_first=bool(state_v_first), block_v=int(block_v),
-            ),
-        ),
+        (build_fused_fwd_kernel, fused),
     ]
 
 
@@ -460,13 +506,15 @@ def tilelang_chunk_gated_delta_rule_fwd(
     cu_seqlens=None,
     state_v_first: bool = False,
     block_v=None,
+    fused_config=None,
 ):
     """Chunked GDN forward on Hopper through TileLang.
 
     q, k [B,T,H,K] bf16/fp16; v [B,T,HV,V]; g (log decay), beta [B,T,HV]; states fp32
     [N,HV,K,V] ([N,HV,V,K] when state_v_first); cu_seqlens [N+1] with B == 1 for packed input.
     Returns (o [B,T,HV,V] in q.dtype, final_state fp32 or None, saved) — see the module SPEC
-    for the contents of `saved`.
+    for the contents of `saved`. `block_v` / `fused_config` (dict of build_fused_fwd_kernel
+    options: block_v, threads, num_stages, async_mma, o_store_smem) override the default tiles.
     """
     B, Tn, H, K, HV, V = _check_inputs(q, k, v, g, beta, cu_seqlens)
     if scale is None:
@@ -478,8 +526,11 @@ def tilelang_chunk_gated_delta_rule_fwd(
 
     g_cum, ag, chunk_tab = prepare_fwd(k, g, beta, cu_seqlens=cu)
 
-    if block_v is None:
-        block_v = 64 if V % 64 == 0 else V
+    cfg = dict(fused_config or {})
+    if block_v is not None:
+        cfg["block_v"] = int(block_v)
+    if "block_v" not in cfg:
+        cfg.update(default_fused_config(N, HV, V, _sm_count(q.device), K=K))
     sdims = (V, K) if state_v_first else (K, V)
     dev = q.device
     use_h0 = initial_state is not None
@@ -491,7 +542,7 @@ def tilelang_chunk_gated_delta_rule_fwd(
     )
     o = torch.empty(B, Tn, HV, V, dtype=q.dtype, device=dev)
     factory, params = fwd_kernel_specs(
-        H, HV, K, V, q.dtype, scale, varlen, use_h0, output_final_state, state_v_first, block_v
+        H, HV, K, V, q.dtype, scale, varlen, use_h0, output_final_state, state_v_first, **cfg
     )[1]
     kern = compile_kernel(factory, **params)
     if Tn > 0 and N > 0:

@@ -21,7 +21,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from flash_qla_cp.kernels.tilelang_common import precompile  # noqa: E402
-from flash_qla_cp.kernels.tilelang_fwd import fwd_kernel_specs, tilelang_chunk_gated_delta_rule_fwd  # noqa: E402
+from flash_qla_cp.kernels.tilelang_fwd import (  # noqa: E402
+    default_fused_config,
+    fwd_kernel_specs,
+    tilelang_chunk_gated_delta_rule_fwd,
+)
 
 TOL = {torch.bfloat16: 5e-3, torch.float16: 5e-3}
 
@@ -63,7 +67,8 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run_case(name, B, T, H, HV, K, V, dtype, cu=None, with_h0=True, final=True, state_v_first=False, ref="chunked", seed=0):
+def run_case(name, B, T, H, HV, K, V, dtype, cu=None, with_h0=True, final=True, state_v_first=False, ref="chunked", seed=0,
+             cfg=None):
     from flash_qla_cp.kernels.reference_chunked import chunk_gated_delta_rule_torch
     from flash_qla_cp.kernels.reference_recurrent import naive_recurrent_gated_delta_rule
 
@@ -81,7 +86,7 @@ def run_case(name, B, T, H, HV, K, V, dtype, cu=None, with_h0=True, final=True, 
         torch.cuda.synchronize()
         o, ht, saved = tilelang_chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, scale=scale, initial_state=h0_in, output_final_state=final,
-            cu_seqlens=cu_t, state_v_first=state_v_first,
+            cu_seqlens=cu_t, state_v_first=state_v_first, fused_config=cfg,
         )
         torch.cuda.synchronize()
         outs.append((o.clone(), None if ht is None else ht.clone()))
@@ -99,6 +104,7 @@ def run_case(name, B, T, H, HV, K, V, dtype, cu=None, with_h0=True, final=True, 
     res = {
         "name": name, "B": B, "T": T, "H": H, "HV": HV, "K": K, "V": V, "dtype": str(dtype),
         "cu_seqlens": cu, "initial_state": with_h0, "state_v_first": state_v_first, "reference": ref,
+        "fused_config": cfg,
         "o_rel_err": rel(o, ro),
         "o_nan": bool(torch.isnan(o).any().item()),
         "deterministic": bool(torch.equal(o, o2) and (ht is None or torch.equal(ht, ht2))),
@@ -127,24 +133,36 @@ CASES = [
     ("dense_bf16_h16hv32_T8192", dict(B=1, T=8192, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16)),
     ("varlen_fp16_h16hv32_long", dict(B=1, T=9000, H=16, HV=32, K=128, V=128, dtype=torch.float16,
                                        cu=[0, 4097, 4100, 9000])),
+    # explicit tile variants of the fused kernel (the default picks one by occupancy)
+    ("variant_bv16", dict(B=1, T=1000, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, cu=[0, 1, 65, 200, 777, 1000],
+                          cfg={"block_v": 16})),
+    ("variant_bv32_t256", dict(B=1, T=1000, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                               cu=[0, 1, 65, 200, 777, 1000], cfg={"block_v": 32, "threads": 256})),
+    ("variant_bv64_t256", dict(B=1, T=1000, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                               cu=[0, 1, 65, 200, 777, 1000], cfg={"block_v": 64, "threads": 256})),
+    ("variant_bv64_osmem_sync", dict(B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                     cfg={"block_v": 64, "o_store_smem": True, "async_mma": False})),
 ]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
-    ap.add_argument("--quick", action="store_true", help="only the first three cases")
+    ap.add_argument("--quick", action="store_true", help="only the short cases")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    cases = CASES[:3] if args.quick else CASES
+    cases = CASES[:3] + CASES[7:] if args.quick else CASES
 
     t0 = time.time()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     specs = []
     for _, kw in cases:
         K, V = kw["K"], kw["V"]
+        n_seqs = len(kw["cu"]) - 1 if kw.get("cu") is not None else kw["B"]
+        cfg = kw.get("cfg") or default_fused_config(n_seqs, kw["HV"], V, sms, K=K)
         specs += fwd_kernel_specs(
             kw["H"], kw["HV"], K, V, kw["dtype"], K**-0.5, kw.get("cu") is not None, kw.get("with_h0", True),
-            True, kw.get("state_v_first", False),
+            True, kw.get("state_v_first", False), **cfg,
         )
     try:
         n = precompile(specs)

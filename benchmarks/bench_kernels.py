@@ -1,0 +1,325 @@
+"""Side-by-side timing of chunked Gated DeltaNet kernels on one GPU.
+
+Libraries (same inputs, same process, same timing method):
+  ours      flash_qla_cp TileLang kernels (forward: kernels.tilelang_fwd; forward+backward through
+            flash_qla_cp.ops.chunk_gated_delta_rule(backend="tilelang") when kernels.tilelang_bwd
+            imports, else 'n/a')
+  flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
+            its defaults (auto intra-card CP on)
+  fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
+            FLA_DISABLE_BACKEND_DISPATCH=1 set before import so FLA's own kernels run
+
+Usage:  python benchmarks/bench_kernels.py [--shapes a,b] [--libs ours,flashqla,fla] [--no-bwd]
+        [--out DIR] [--rep MS]
+Writes bench_kernels.json and bench_kernels.md into DIR (default $OUT, else benchmarks/results).
+
+Timing: triton.testing.do_bench (warm-up, then the median of repeated launches, L2 flushed
+between runs by do_bench). No CUDA graphs: the varlen paths of all three libraries read
+sequence metadata on the host, so eager timing is the common ground; it is the same for all.
+"""
+
+import os
+
+os.environ.setdefault("FLA_FLASH_QLA", "0")
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+CHUNK = 64
+
+# name: (B, T, H, HV, K, V, n_varlen_seqs or None)
+SHAPES = {
+    "tp1_1x8k": (1, 8192, 16, 32, 128, 128, None),
+    "tp1_1x32k": (1, 32768, 16, 32, 128, 128, None),
+    "tp1_4x8k": (4, 8192, 16, 32, 128, 128, None),
+    "tp1_varlen8_32k": (1, 32768, 16, 32, 128, 128, 8),
+    "tp8_1x32k": (1, 32768, 2, 4, 128, 128, None),
+    "tp8_1x128k": (1, 131072, 2, 4, 128, 128, None),
+}
+
+
+def varlen_cu(total, n, seed=0):
+    """n sequence lengths summing to `total`, uneven and not multiples of 64."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(n, generator=g) + 0.3
+    lens = (w / w.sum() * total).long().clamp_min(1)
+    lens[-1] = total - lens[:-1].sum()
+    cu = torch.zeros(n + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, 0)
+    return cu
+
+
+def seq_lengths(B, T, cu):
+    if cu is None:
+        return [T] * B
+    return (cu[1:] - cu[:-1]).tolist()
+
+
+def flop_count(B, T, H, HV, K, V, cu):
+    """Forward FLOPs of the chunked algorithm (C = 64), counted per v-head and chunk of length L:
+
+      K K^T (L^2 K) + triangular inverse (L^3 / 3) + Ag [v | exp(G) k] (L^2 (V + K))
+      + w S (L K V) + q S (L K V) + q k^T (L^2 K) + P v_new (L^2 V) + k^T v_new (L K V)
+
+    each multiply-add counted as 2 FLOPs. Masked (upper-triangle) work counts in full, as the
+    libraries all do it with dense tiles. Forward+backward is counted as 3x forward (the usual
+    convention: backward ~ 2x forward); it is a normaliser for comparison, not a measurement.
+    """
+    total = 0
+    for n_tok in seq_lengths(B, T, cu):
+        full, rem = divmod(n_tok, CHUNK)
+        for L, cnt in ((CHUNK, full), (rem, 1 if rem else 0)):
+            per = L * L * K + L**3 / 3 + L * L * (V + K) + 3 * L * K * V + L * L * K + L * L * V
+            total += 2 * per * cnt
+    return total * HV
+
+
+def byte_count(B, T, H, HV, K, V, cu, dtype_bytes=2, bwd=False):
+    """Minimal HBM traffic: read q, k, v (dtype), g and beta (fp32), write o (dtype) and the final
+    state (fp32). Forward+backward adds: read q, k, v, g, beta, do again, write dq, dk, dv (dtype)
+    and dg, dbeta (fp32). Intermediates (chunk states, A) are not counted: they are the
+    implementation's choice, so the GB/s column is a lower bound on the traffic achieved."""
+    N = B if cu is None else len(cu) - 1
+    tok = B * T
+    qk = 2 * tok * H * K * dtype_bytes
+    vv = tok * HV * V * dtype_bytes
+    gb = 2 * tok * HV * 4
+    fwd = qk + vv + gb + tok * HV * V * dtype_bytes + N * HV * K * V * 4
+    if not bwd:
+        return fwd
+    return fwd + (qk + vv + gb + tok * HV * V * dtype_bytes) + (qk + vv + gb)
+
+
+def make_inputs(B, T, H, HV, K, V, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=g), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=g), dim=-1).to(dtype)
+    v = torch.randn(B, T, HV, V, device="cuda", generator=g).to(dtype)
+    rate = torch.exp(torch.linspace(-4, 1, HV, device="cuda"))
+    gg = (-rate * F.softplus(torch.randn(B, T, HV, device="cuda", generator=g) + 0.5)).float()
+    beta = torch.sigmoid(torch.randn(B, T, HV, device="cuda", generator=g)).float()
+    return q, k, v, gg, beta
+
+
+def lib_versions():
+    out = {"torch": torch.__version__}
+    for mod in ("triton", "tilelang", "fla", "flash_qla"):
+        try:
+            m = __import__(mod)
+            out[mod] = getattr(m, "__version__", "?")
+        except Exception as exc:  # noqa: BLE001
+            out[mod] = f"not importable: {exc!r}"[:200]
+    return out
+
+
+def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
+    """(fwd_fn, fwdbwd_fn or error string) for one library."""
+    cu32 = None if cu is None else cu.to(device="cuda", dtype=torch.int32)
+    cu64 = None if cu is None else cu.to(device="cuda", dtype=torch.int64)
+    do = torch.randn_like(v)
+
+    def grads_inputs():
+        return [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+
+    if lib == "ours":
+        from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
+
+        def fwd():
+            return tilelang_chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu32,
+                                                       fused_config=ours_cfg)
+
+        try:
+            from flash_qla_cp.kernels import tilelang_bwd  # noqa: F401
+            from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
+        except Exception as exc:  # noqa: BLE001
+            return fwd, f"n/a (no TileLang backward: {exc!r})"[:300]
+        ins = grads_inputs()
+
+        def fwdbwd():
+            o, _ = ours_op(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32, backend="tilelang")
+            o.backward(do)
+
+        return fwd, fwdbwd
+
+    if lib == "flashqla":
+        from flash_qla import chunk_gated_delta_rule as fq
+
+        def fwd():
+            with torch.no_grad():
+                return fq(q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu32)
+
+        ins = grads_inputs()
+
+        def fwdbwd():
+            o, _ = fq(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32)
+            o.backward(do)
+
+        return fwd, fwdbwd
+
+    if lib == "fla":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fl
+
+        cu_cpu = None if cu is None else cu.cpu()
+
+        def fwd():
+            with torch.no_grad():
+                return fl(q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu64,
+                          cu_seqlens_cpu=cu_cpu)
+
+        ins = grads_inputs()
+
+        def fwdbwd():
+            o, _ = fl(*ins, scale=scale, output_final_state=False, cu_seqlens=cu64, cu_seqlens_cpu=cu_cpu)
+            o.backward(do)
+
+        return fwd, fwdbwd
+    raise ValueError(lib)
+
+
+def measure(fn, rep_ms):
+    import triton.testing
+
+    fn()  # first call: compile / autotune
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    ms = triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
+    return ms, peak
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--libs", default="ours,flashqla,fla")
+    ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms of timed launches)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--md-from", default=None,
+                    help="only rebuild the markdown table from this bench_kernels.json (no GPU needed)")
+    ap.add_argument("--ours-tune", default=None,
+                    help="tune_fwd.json: use its best fused-kernel config per shape for 'ours'")
+    args = ap.parse_args()
+    if args.md_from:
+        with open(args.md_from) as f:
+            d = json.load(f)
+        md = os.path.splitext(args.md_from)[0] + ".md"
+        with open(md, "w") as f:
+            f.write(to_markdown(d["meta"], d["rows"], partial=d.get("partial", False)))
+        print(md)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    tuned = {}
+    if args.ours_tune and os.path.exists(args.ours_tune):
+        with open(args.ours_tune) as f:
+            tuned = {r["shape"]: r.get("best_config") for r in json.load(f)["rows"]}
+    libs = [x for x in args.libs.split(",") if x]
+    shapes = [x for x in args.shapes.split(",") if x]
+
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "versions": lib_versions(),
+        "timing": "triton.testing.do_bench median, eager (no CUDA graphs)",
+        "flops": flop_count.__doc__.strip(),
+        "bytes": byte_count.__doc__.strip(),
+    }
+    rows = []
+    for sname in shapes:
+        B, T, H, HV, K, V, nseq = SHAPES[sname]
+        cu = varlen_cu(B * T, nseq) if nseq else None
+        q, k, v, g, beta = make_inputs(B, T, H, HV, K, V)
+        if cu is not None:
+            q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+            Bx = 1
+        else:
+            Bx = B
+        scale = K**-0.5
+        fl_f = flop_count(Bx, B * T // Bx, H, HV, K, V, cu)
+        by_f = byte_count(Bx, B * T // Bx, H, HV, K, V, cu)
+        by_fb = byte_count(Bx, B * T // Bx, H, HV, K, V, cu, bwd=True)
+        for lib in libs:
+            row = {"shape": sname, "B": B, "T": T, "H": H, "HV": HV, "K": K, "V": V,
+                   "varlen_seqs": nseq, "lib": lib}
+            try:
+                ours_cfg = tuned.get(sname) if lib == "ours" else None
+                if ours_cfg:
+                    row["ours_config"] = ours_cfg
+                fwd, fwdbwd = build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg)
+            except Exception as exc:  # noqa: BLE001
+                row["fwd_error"] = row["fwdbwd_error"] = repr(exc)[:500]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            try:
+                ms, peak = measure(fwd, args.rep)
+                row.update(fwd_ms=ms, fwd_tflops=fl_f / ms / 1e9, fwd_gbps=by_f / ms / 1e6, fwd_peak_mib=peak / 2**20)
+            except Exception as exc:  # noqa: BLE001
+                row["fwd_error"] = (repr(exc) + " | " + traceback.format_exc()[-800:])[:1500]
+            if args.no_bwd:
+                row["fwdbwd_error"] = "skipped (--no-bwd)"
+            elif isinstance(fwdbwd, str):
+                row["fwdbwd_error"] = fwdbwd
+            else:
+                try:
+                    ms, peak = measure(fwdbwd, args.rep)
+                    row.update(fwdbwd_ms=ms, fwdbwd_tflops=3 * fl_f / ms / 1e9, fwdbwd_gbps=by_fb / ms / 1e6,
+                               fwdbwd_peak_mib=peak / 2**20)
+                except Exception as exc:  # noqa: BLE001
+                    row["fwdbwd_error"] = (repr(exc) + " | " + traceback.format_exc()[-800:])[:1500]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+                json.dump({"meta": meta, "rows": rows, "partial": True}, f, indent=1)
+        del q, k, v, g, beta
+        torch.cuda.empty_cache()
+
+    with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "bench_kernels.md"), "w") as f:
+        f.write(to_markdown(meta, rows))
+    print(to_markdown(meta, rows))
+
+
+def _fmt(row, key, nd=3):
+    v = row.get(key)
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def to_markdown(meta, rows, partial=False):
+    out = [
+        f"# Kernel benchmark — {meta['gpu']}, {meta['date']}" + (" (partial: run cut short)" if partial else ""),
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        "",
+        f"Timing: {meta['timing']}. TFLOP/s and GB/s use the counts documented in bench_kernels.py "
+        "(fwd+bwd FLOPs = 3x fwd).",
+        "",
+        "| shape | lib | fwd ms | fwd TFLOP/s | fwd GB/s | fwd peak MiB | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd peak MiB | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cfg = r.get("ours_config")
+        note = ("config " + ",".join(f"{k}={v}" for k, v in cfg.items()) + "; ") if cfg else ""
+        note += "; ".join(r[k][:160].replace("|", "/").replace("\n", " ") for k in ("fwd_error", "fwdbwd_error") if k in r)
+        out.append(
+            f"| {r['shape']} | {r['lib']} | {_fmt(r, 'fwd_ms')} | {_fmt(r, 'fwd_tflops', 1)} | {_fmt(r, 'fwd_gbps', 0)} | "
+            f"{_fmt(r, 'fwd_peak_mib', 0)} | {_fmt(r, 'fwdbwd_ms')} | {_fmt(r, 'fwdbwd_tflops', 1)} | "
+            f"{_fmt(r, 'fwdbwd_peak_mib', 0)} | {note} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()

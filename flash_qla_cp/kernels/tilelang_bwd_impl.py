@@ -1,0 +1,993 @@
+"""TileLang Hopper (sm_90a) backward kernels for chunked Gated DeltaNet (implementation).
+
+The public backward module `tilelang_bwd.py` re-exports `tilelang_chunk_gated_delta_rule_bwd`
+from here once the kernels have passed the GPU check (`tests/gpu/check_bwd.py`); until then
+`flash_qla_cp.ops` keeps using the autograd backward. Importing this module touches no GPU
+and compiles nothing: TileLang is imported when a kernel is first built.
+
+SPEC (backward side; the forward's SPEC is at the top of `tilelang_fwd.py`)
+=========================================================================
+Input from the forward (`saved`, optional): `g_cumsum` [B,T,HV] fp32 (chunk-local cumsum G)
+and `Ag` [B,T,HV,64] (Ag = Tm diag(beta), Tm = (I + A)^-1). When `saved` lacks them the
+backward runs the forward's prepare kernel (`tilelang_fwd.prepare_fwd`) itself.
+Dense inputs [B,T] are handled as packed sequences (cu_seqlens = 0, T, 2T, ...), so every
+kernel below takes cu_seqlens and a chunk table; nothing else differs.
+
+Per chunk (length L <= 64; padding rows carry q = k = v = beta = 0 and repeat G[L-1]),
+with S the state entering the chunk, dS' the gradient of the state leaving it,
+E = diag(exp G), Gam_ij = exp(G_i - G_j), GL = G[L-1]:
+    vres = v - E k S                       (so v_new = Ag vres)
+    P    = scale * tril_incl(q k^T o Gam)
+    dvn  = P^T dO + diag(exp(GL - G)) k dS'          (gradient of v_new)
+    dv   = Ag^T dvn =: t
+    dS   = exp(GL) dS' + (scale E q)^T dO - (E k)^T t
+    dAg  = tril_incl(dvn vres^T)
+    BdA  = -Ag^T dAg Ag^T   (strict lower; = diag(beta) dA for the gated A)
+    dq   = scale E dO S^T + (tril_incl(dO v_new^T o Gam) scale) k
+    dk   = -E t S^T + diag(exp(GL - G)) v_new dS'^T + Pm^T q + (BdA o Gam) k + (BdA o Gam)^T k
+    dG   = row terms (see `_grad_body`), dg = reverse cumsum of dG inside the chunk
+    dbeta_i = (rowsum(BdA o kk^T o Gam)_i + colsum(dAg o Ag)_i) / beta_i
+(the division is exact in relative terms because Ag's column j carries the factor beta_j;
+a beta of exactly 0 gets dbeta 0).
+
+Kernels (all take packed [1, Ttot, ...] tensors, cu_seqlens [N+1] int32):
+(BV = 32 for V = 128, else 64: see `default_block_v`.)
+* `build_bwd_h_kernel`   grid (V/BV, N, HV), 128 threads: walks each sequence forward,
+  S[K, BV] fp32 in registers; writes h [NC, HV, K, V] (state entering each chunk, input
+  dtype) and vres [1, Ttot, HV, V].
+* `build_bwd_dh_kernel`  grid (V/BV, N, HV), 128 threads: walks each sequence backward with
+  dS[K, BV] fp32 in registers; writes dh [NC, HV, K, V] (gradient of the state leaving each
+  chunk), dvn, dv and dh0.
+* `build_bwd_grad_group_kernel` grid (NC, H), 256 threads (the default): one chunk and one
+  qk-head per block, walking its HV/H v-heads in order; dq, dk accumulate on chip and are
+  written once in the input dtype; dg (already reverse-cumsummed) and dbeta in fp32.
+* `build_bwd_grad_kernel` grid (NC, HV), 256 threads (kept for comparison): one chunk and
+  v-head per block; dq, dk per v-head (fp32 when HV > H, summed over the group afterwards in
+  a fixed order).
+No atomics anywhere: the result is bitwise deterministic.
+"""
+
+
+
+import torch
+
+from .tilelang_common import CHUNK, chunk_table, compile_kernel, import_tilelang, tl_dtype
+
+LOG2E = 1.4426950408889634
+
+__all__ = [
+    "build_bwd_h_kernel",
+    "build_bwd_dh_kernel",
+    "build_bwd_grad_kernel",
+    "build_bwd_grad_group_kernel",
+    "bwd_kernel_specs",
+    "tilelang_chunk_gated_delta_rule_bwd",
+    "torch_prepare",
+]
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel 1: recompute the chunk states h and vres = v - exp(G) k S.
+# ----------------------------------------------------------------------------------------
+def build_bwd_h_kernel(H: int, HV: int, K: int, V: int, dtype: str, use_initial_state: bool,
+                       block_v: int = 64, threads: int = 128):
+    """Forward walk over the chunks of each sequence (grid V/BV x N x HV)."""
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
+    dtype = tl_dtype(dtype)
+    grp = HV // H
+    BV = block_v
+    assert HV % H == 0 and V % BV == 0 and BV % 16 == 0
+    NV = V // BV
+
+    Ttot = T.dynamic("num_tokens")
+    NC = T.dynamic("num_chunks")
+    N1 = T.dynamic("num_seqs_plus_one")
+    N0 = T.dynamic("n_h0")
+
+    @T.macro
+    def load_full(k, v, ag, gc, k_s, v_s, a_s, g_s, t0, bh, bhv, v0):
+        T.copy(k[0, t0 : t0 + C, bh, :], k_s)
+        T.copy(v[0, t0 : t0 + C, bhv, v0 : v0 + BV], v_s)
+        T.copy(ag[0, t0 : t0 + C, bhv, :], a_s)
+        for i in T.Parallel(C):
+            g_s[i] = gc[0, t0 + i, bhv]
+
+    @T.macro
+    def load_partial(k, v, ag, gc, k_s, v_s, a_s, g_s, t0, L, bh, bhv, v0):
+        for i, d in T.Parallel(C, K):
+            k_s[i, d] = T.if_then_else(i < L, k[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
+        for i, d in T.Parallel(C, BV):
+            v_s[i, d] = T.if_then_else(i < L, v[0, t0 + T.min(i, L - 1), bhv, v0 + d], T.cast(0, dtype))
+        for i, d in T.Parallel(C, C):
+            a_s[i, d] = T.if_then_else(i < L, ag[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
+        for i in T.Parallel(C):
+            g_s[i] = gc[0, t0 + T.min(i, L - 1), bhv]
+
+    @T.macro
+    def step(h_out, vres_out, k_s, v_s, a_s, g_s, h_s, vr_s, vn_s, s_f, x_f, vn_f, glast, cidx, t0, L, bhv, v0,
+             full):
+        T.copy(s_f, h_s)
+        T.copy(h_s, h_out[cidx, bhv, :, v0 : v0 + BV])
+        T.gemm(k_s, h_s, x_f, clear_accum=True)
+        for i, d in T.Parallel(C, BV):
+            vr_s[i, d] = v_s[i, d] - T.exp2(g_s[i] * LOG2E) * x_f[i, d]
+        if full:
+            T.copy(vr_s, vres_out[0, t0 : t0 + C, bhv, v0 : v0 + BV])
+        else:
+            for i, d in T.Parallel(C, BV):
+                if i < L:
+                    vres_out[0, t0 + i, bhv, v0 + d] = vr_s[i, d]
+        T.gemm(a_s, vr_s, vn_f, clear_accum=True)
+        glast = g_s[C - 1]
+        for i, d in T.Parallel(C, BV):
+            vn_s[i, d] = T.if_then_else(i < L, vn_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E), T.float32(0))
+        for i, d in T.Parallel(K, BV):
+            s_f[i, d] = s_f[i, d] * T.exp2(glast * LOG2E)
+        T.gemm(k_s, vn_s, s_f, transpose_A=True)
+
+    @T.prim_func
+    def gdn_bwd_h(
+        k: T.Tensor((1, Ttot, H, K), dtype),
+        v: T.Tensor((1, Ttot, HV, V), dtype),
+        ag: T.Tensor((1, Ttot, HV, C), dtype),
+        gc: T.Tensor((1, Ttot, HV), acc),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_offsets: T.Tensor((N1,), "int32"),
+        h0: T.Tensor((N0, HV, K, V), acc),
+        h_out: T.Tensor((NC, HV, K, V), dtype),
+        vres_out: T.Tensor((1, Ttot, HV, V), dtype),
+    ):
+        with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+            bh = bhv // grp
+            v0 = bv * BV
+            s0 = cu_seqlens[n]
+            seq_len = cu_seqlens[n + 1] - s0
+            c_first = chunk_offsets[n]
+
+            k_s = T.alloc_shared((C, K), dtype)
+            v_s = T.alloc_shared((C, BV), dtype)
+            a_s = T.alloc_shared((C, C), dtype)
+            g_s = T.alloc_shared((C,), acc)
+            h_s = T.alloc_shared((K, BV), dtype)
+            vr_s = T.alloc_shared((C, BV), dtype)
+            vn_s = T.alloc_shared((C, BV), dtype)
+
+            s_f = T.alloc_fragment((K, BV), acc)
+            x_f = T.alloc_fragment((C, BV), acc)
+            vn_f = T.alloc_fragment((C, BV), acc)
+            glast = T.alloc_var(acc)
+
+            if use_initial_state:
+                T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
+            else:
+                T.clear(s_f)
+
+            for c in T.serial(T.ceildiv(seq_len, C)):
+                t0 = s0 + c * C
+                L = T.min(seq_len - c * C, C)
+                if L == C:
+                    load_full(k, v, ag, gc, k_s, v_s, a_s, g_s, t0, bh, bhv, v0)
+                    step(h_out, vres_out, k_s, v_s, a_s, g_s, h_s, vr_s, vn_s, s_f, x_f, vn_f, glast,
+                         c_first + c, t0, C, bhv, v0, True)
+                else:
+                    load_partial(k, v, ag, gc, k_s, v_s, a_s, g_s, t0, L, bh, bhv, v0)
+                    step(h_out, vres_out, k_s, v_s, a_s, g_s, h_s, vr_s, vn_s, s_f, x_f, vn_f, glast,
+                         c_first + c, t0, L, bhv, v0, False)
+
+    return gdn_bwd_h
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel 2: the reverse recurrence of the state gradient; writes dh, dvn, dv and dh0.
+# ----------------------------------------------------------------------------------------
+def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
+                        store_dh0: bool, block_v: int = 64, threads: int = 128):
+    """Backward walk over the chunks of each sequence (grid V/BV x N x HV)."""
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
+    dtype = tl_dtype(dtype)
+    grp = HV // H
+    BV = block_v
+    assert HV % H == 0 and V % BV == 0 and BV % 16 == 0
+    NV = V // BV
+    scale = float(scale)
+
+    Ttot = T.dynamic("num_tokens")
+    NC = T.dynamic("num_chunks")
+    N1 = T.dynamic("num_seqs_plus_one")
+    NT = T.dynamic("n_dht")
+    N0 = T.dynamic("n_dh0")
+
+    @T.macro
+    def load_full(q, k, do, ag, gc, q_s, k_s, do_s, a_s, g_s, t0, bh, bhv, v0):
+        T.copy(q[0, t0 : t0 + C, bh, :], q_s)
+        T.copy(k[0, t0 : t0 + C, bh, :], k_s)
+        T.copy(do[0, t0 : t0 + C, bhv, v0 : v0 + BV], do_s)
+        T.copy(ag[0, t0 : t0 + C, bhv, :], a_s)
+        for i in T.Parallel(C):
+            g_s[i] = gc[0, t0 + i, bhv]
+
+    @T.macro
+    def load_partial(q, k, do, ag, gc, q_s, k_s, do_s, a_s, g_s, t0, L, bh, bhv, v0):
+        for i, d in T.Parallel(C, K):
+            q_s[i, d] = T.if_then_else(i < L, q[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
+            k_s[i, d] = T.if_then_else(i < L, k[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
+        for i, d in T.Parallel(C, BV):
+            do_s[i, d] = T.if_then_else(i < L, do[0, t0 + T.min(i, L - 1), bhv, v0 + d], T.cast(0, dtype))
+        for i, d in T.Parallel(C, C):
+            a_s[i, d] = T.if_then_else(i < L, ag[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
+        for i in T.Parallel(C):
+            g_s[i] = gc[0, t0 + T.min(i, L - 1), bhv]
+
+    @T.macro
+    def step(dh_out, dvn_out, dv_out, q_s, k_s, do_s, a_s, g_s, qe_s, ke_s, kd_s, p_s, dh_s, dvn_s, tn_s,
+             ds_f, p_f, dvn_f, t_f, glast, cidx, t0, L, bhv, v0, full):
+        # dh of this chunk = gradient of the state leaving it
+        T.copy(ds_f, dh_s)
+        T.copy(dh_s, dh_out[cidx, bhv, :, v0 : v0 + BV])
+
+        glast = g_s[C - 1]
+        T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            p_s[i, j] = T.if_then_else(
+                i >= j, p_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * scale, T.float32(0)
+            )
+        for i, d in T.Parallel(C, K):
+            qe_s[i, d] = q_s[i, d] * (T.exp2(g_s[i] * LOG2E) * scale)
+            ke_s[i, d] = k_s[i, d] * T.exp2(g_s[i] * LOG2E)
+            kd_s[i, d] = k_s[i, d] * T.exp2((glast - g_s[i]) * LOG2E)
+
+        # dvn = P^T dO + kd dS'
+        T.gemm(p_s, do_s, dvn_f, transpose_A=True, clear_accum=True)
+        T.gemm(kd_s, dh_s, dvn_f)
+        T.copy(dvn_f, dvn_s)
+        # dv = Ag^T dvn
+        T.gemm(a_s, dvn_s, t_f, transpose_A=True, clear_accum=True)
+        for i, d in T.Parallel(C, BV):
+            tn_s[i, d] = -t_f[i, d]
+        if full:
+            T.copy(dvn_s, dvn_out[0, t0 : t0 + C, bhv, v0 : v0 + BV])
+            T.copy(t_f, dv_out[0, t0 : t0 + C, bhv, v0 : v0 + BV])
+        else:
+            for i, d in T.Parallel(C, BV):
+                if i < L:
+                    dvn_out[0, t0 + i, bhv, v0 + d] = dvn_s[i, d]
+                    dv_out[0, t0 + i, bhv, v0 + d] = -tn_s[i, d]
+        # dS = exp(GL) dS' + (scale E q)^T dO - (E k)^T t
+        for i, d in T.Parallel(K, BV):
+            ds_f[i, d] = ds_f[i, d] * T.exp2(glast * LOG2E)
+        T.gemm(qe_s, do_s, ds_f, transpose_A=True)
+        T.gemm(ke_s, tn_s, ds_f, transpose_A=True)
+
+    @T.prim_func
+    def gdn_bwd_dh(
+        q: T.Tensor((1, Ttot, H, K), dtype),
+        k: T.Tensor((1, Ttot, H, K), dtype),
+        do: T.Tensor((1, Ttot, HV, V), dtype),
+        ag: T.Tensor((1, Ttot, HV, C), dtype),
+        gc: T.Tensor((1, Ttot, HV), acc),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_offsets: T.Tensor((N1,), "int32"),
+        dht: T.Tensor((NT, HV, K, V), acc),
+        dh_out: T.Tensor((NC, HV, K, V), dtype),
+        dvn_out: T.Tensor((1, Ttot, HV, V), dtype),
+        dv_out: T.Tensor((1, Ttot, HV, V), dtype),
+        dh0: T.Tensor((N0, HV, K, V), acc),
+    ):
+        with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+            bh = bhv // grp
+            v0 = bv * BV
+            s0 = cu_seqlens[n]
+            seq_len = cu_seqlens[n + 1] - s0
+            c_first = chunk_offsets[n]
+            n_chunks = T.ceildiv(seq_len, C)
+
+            q_s = T.alloc_shared((C, K), dtype)
+            k_s = T.alloc_shared((C, K), dtype)
+            do_s = T.alloc_shared((C, BV), dtype)
+            a_s = T.alloc_shared((C, C), dtype)
+            g_s = T.alloc_shared((C,), acc)
+            qe_s = T.alloc_shared((C, K), dtype)
+            ke_s = T.alloc_shared((C, K), dtype)
+            kd_s = T.alloc_shared((C, K), dtype)
+            p_s = T.alloc_shared((C, C), dtype)
+            dh_s = T.alloc_shared((K, BV), dtype)
+            dvn_s = T.alloc_shared((C, BV), dtype)
+            tn_s = T.alloc_shared((C, BV), dtype)
+
+            ds_f = T.alloc_fragment((K, BV), acc)
+            p_f = T.alloc_fragment((C, C), acc)
+            dvn_f = T.alloc_fragment((C, BV), acc)
+            t_f = T.alloc_fragment((C, BV), acc)
+            glast = T.alloc_var(acc)
+
+            if use_dht:
+                T.copy(dht[n, bhv, :, v0 : v0 + BV], ds_f)
+            else:
+                T.clear(ds_f)
+
+            for cc in T.serial(n_chunks):
+                c = n_chunks - 1 - cc
+                t0 = s0 + c * C
+                L = T.min(seq_len - c * C, C)
+                if L == C:
+                    load_full(q, k, do, ag, gc, q_s, k_s, do_s, a_s, g_s, t0, bh, bhv, v0)
+                    step(dh_out, dvn_out, dv_out, q_s, k_s, do_s, a_s, g_s, qe_s, ke_s, kd_s, p_s, dh_s,
+                         dvn_s, tn_s, ds_f, p_f, dvn_f, t_f, glast, c_first + c, t0, C, bhv, v0, True)
+                else:
+                    load_partial(q, k, do, ag, gc, q_s, k_s, do_s, a_s, g_s, t0, L, bh, bhv, v0)
+                    step(dh_out, dvn_out, dv_out, q_s, k_s, do_s, a_s, g_s, qe_s, ke_s, kd_s, p_s, dh_s,
+                         dvn_s, tn_s, ds_f, p_f, dvn_f, t_f, glast, c_first + c, t0, L, bhv, v0, False)
+
+            if store_dh0:
+                T.copy(ds_f, dh0[n, bhv, :, v0 : v0 + BV])
+
+    return gdn_bwd_dh
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel 3: all per-chunk gradients (dq, dk, dg, dbeta) of one chunk and v-head.
+# ----------------------------------------------------------------------------------------
+def build_bwd_grad_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, dqk_dtype: str,
+                          threads: int = 256):
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
+    dtype = tl_dtype(dtype)
+    dqk_dtype = tl_dtype(dqk_dtype)
+    grp = HV // H
+    assert HV % H == 0 and K % 16 == 0 and V % 16 == 0
+    scale = float(scale)
+    RS = 32  # rows per slice of the <S, dS'> reduction
+    assert K % RS == 0
+
+    Ttot = T.dynamic("num_tokens")
+    NC = T.dynamic("num_chunks")
+    N1 = T.dynamic("num_seqs_plus_one")
+
+    @T.prim_func
+    def gdn_bwd_grad(
+        q: T.Tensor((1, Ttot, H, K), dtype),
+        k: T.Tensor((1, Ttot, H, K), dtype),
+        do: T.Tensor((1, Ttot, HV, V), dtype),
+        vres: T.Tensor((1, Ttot, HV, V), dtype),
+        dvn: T.Tensor((1, Ttot, HV, V), dtype),
+        ag: T.Tensor((1, Ttot, HV, C), dtype),
+        gc: T.Tensor((1, Ttot, HV), acc),
+        beta: T.Tensor((1, Ttot, HV), acc),
+        h: T.Tensor((NC, HV, K, V), dtype),
+        dh: T.Tensor((NC, HV, K, V), dtype),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_tab: T.Tensor((NC, 2), "int32"),
+        dq_out: T.Tensor((1, Ttot, HV, K), dqk_dtype),
+        dk_out: T.Tensor((1, Ttot, HV, K), dqk_dtype),
+        dg_out: T.Tensor((1, Ttot, HV), acc),
+        db_out: T.Tensor((1, Ttot, HV), acc),
+    ):
+        with T.Kernel(NC, HV, threads=threads) as (bc, bhv):
+            bh = bhv // grp
+            n = chunk_tab[bc, 0]
+            t0 = cu_seqlens[n] + chunk_tab[bc, 1] * C
+            L = T.min(cu_seqlens[n + 1] - t0, C)
+
+            q_s = T.alloc_shared((C, K), dtype)
+            k_s = T.alloc_shared((C, K), dtype)
+            do_s = T.alloc_shared((C, V), dtype)
+            vr_s = T.alloc_shared((C, V), dtype)
+            dvn_s = T.alloc_shared((C, V), dtype)
+            a_s = T.alloc_shared((C, C), dtype)
+            h_s = T.alloc_shared((K, V), dtype)
+            dh_s = T.alloc_shared((K, V), dtype)
+            vn_s = T.alloc_shared((C, V), dtype)
+            tn_s = T.alloc_shared((C, V), dtype)
+            m1_s = T.alloc_shared((C, C), dtype)  # dAg, later Pm
+            m2_s = T.alloc_shared((C, C), dtype)  # dAg Ag^T, later dKK
+            g_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            # per-row partial terms of dG / dbeta
+            r_q = T.alloc_shared((C,), acc)
+            r_kw = T.alloc_shared((C,), acc)
+            r_kd = T.alloc_shared((C,), acc)
+            r_1r = T.alloc_shared((C,), acc)
+            r_1c = T.alloc_shared((C,), acc)
+            r_2r = T.alloc_shared((C,), acc)
+            r_2c = T.alloc_shared((C,), acc)
+            r_ab = T.alloc_shared((C,), acc)
+            dg_s = T.alloc_shared((C,), acc)
+            sc_s = T.alloc_shared((2,), acc)
+
+            cv_f = T.alloc_fragment((C, V), acc)
+            cc_f = T.alloc_fragment((C, C), acc)
+            cc2_f = T.alloc_fragment((C, C), acc)
+            x_f = T.alloc_fragment((C, C), acc)
+            dq_f = T.alloc_fragment((C, K), acc)
+            dk_f = T.alloc_fragment((C, K), acc)
+            tmp_f = T.alloc_fragment((C, K), acc)
+            ew_f = T.alloc_fragment((C, K), acc)
+            hd_f = T.alloc_fragment((RS, V), acc)
+            row_f = T.alloc_fragment((C,), acc)
+            col_f = T.alloc_fragment((C,), acc)
+            hrow_f = T.alloc_fragment((RS,), acc)
+            one_f = T.alloc_fragment((1,), acc)
+            glast = T.alloc_var(acc)
+
+            # ---- loads (padding rows are zero; G repeats its last valid value)
+            T.copy(h[bc, bhv, :, :], h_s)
+            T.copy(dh[bc, bhv, :, :], dh_s)
+            if L == C:
+                T.copy(q[0, t0 : t0 + C, bh, :], q_s)
+                T.copy(k[0, t0 : t0 + C, bh, :], k_s)
+                T.copy(do[0, t0 : t0 + C, bhv, :], do_s)
+                T.copy(vres[0, t0 : t0 + C, bhv, :], vr_s)
+                T.copy(dvn[0, t0 : t0 + C, bhv, :], dvn_s)
+                T.copy(ag[0, t0 : t0 + C, bhv, :], a_s)
+            else:
+                for i, d in T.Parallel(C, K):
+                    q_s[i, d] = T.if_then_else(i < L, q[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
+                    k_s[i, d] = T.if_then_else(i < L, k[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
+                for i, d in T.Parallel(C, V):
+                    do_s[i, d] = T.if_then_else(i < L, do[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
+                    vr_s[i, d] = T.if_then_else(i < L, vres[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
+                    dvn_s[i, d] = T.if_then_else(i < L, dvn[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
+                for i, d in T.Parallel(C, C):
+                    a_s[i, d] = T.if_then_else(i < L, ag[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
+            for i in T.Parallel(C):
+                g_s[i] = gc[0, t0 + T.min(i, L - 1), bhv]
+                b_s[i] = T.if_then_else(i < L, beta[0, t0 + T.min(i, L - 1), bhv], T.float32(0))
+            glast = g_s[C - 1]
+
+            # ---- exp(GL) <S, dS'>
+            T.clear(hd_f)
+            for sl in T.serial(K // RS):
+                for i, d in T.Parallel(RS, V):
+                    hd_f[i, d] += T.cast(h_s[sl * RS + i, d], acc) * T.cast(dh_s[sl * RS + i, d], acc)
+            T.reduce_sum(hd_f, hrow_f, dim=1)
+            T.reduce_sum(hrow_f, one_f, dim=0)
+            sc_s[0] = one_f[0] * T.exp2(glast * LOG2E)
+
+            # ---- v_new = Ag vres
+            T.gemm(a_s, vr_s, cv_f, clear_accum=True)
+            T.copy(cv_f, vn_s)
+            # ---- dAg = tril_incl(dvn vres^T); colsum(dAg o Ag) feeds dbeta
+            T.gemm(dvn_s, vr_s, cc_f, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j], T.float32(0))
+                m1_s[i, j] = cc_f[i, j]
+            for i, j in T.Parallel(C, C):
+                x_f[i, j] = cc_f[i, j] * a_s[i, j]
+            T.reduce_sum(x_f, col_f, dim=0)
+            T.copy(col_f, r_ab)
+            # ---- t = Ag^T dvn (= dv); keep -t
+            T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
+            for i, d in T.Parallel(C, V):
+                tn_s[i, d] = -cv_f[i, d]
+            # ---- BdA = -Ag^T (dAg Ag^T)
+            T.gemm(m1_s, a_s, cc_f, transpose_B=True, clear_accum=True)
+            T.copy(cc_f, m2_s)
+            T.gemm(a_s, m2_s, cc2_f, transpose_A=True, clear_accum=True)
+            T.gemm(k_s, k_s, cc_f, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                x_f[i, j] = T.if_then_else(
+                    i > j, -cc2_f[i, j] * cc_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E), T.float32(0)
+                )
+                m2_s[i, j] = T.if_then_else(i > j, -cc2_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E), T.float32(0))
+            T.reduce_sum(x_f, row_f, dim=1)
+            T.reduce_sum(x_f, col_f, dim=0)
+            T.copy(row_f, r_2r)
+            T.copy(col_f, r_2c)
+            # ---- intra-chunk attention terms: Pm = scale tril_incl(dO v_new^T o Gam)
+            T.gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)
+            T.gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                x_f[i, j] = T.if_then_else(
+                    i >= j, cc2_f[i, j] * cc_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * scale, T.float32(0)
+                )
+                m1_s[i, j] = T.if_then_else(i >= j, cc2_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * scale, T.float32(0))
+            T.reduce_sum(x_f, row_f, dim=1)
+            T.reduce_sum(x_f, col_f, dim=0)
+            T.copy(row_f, r_1r)
+            T.copy(col_f, r_1c)
+
+            # ---- dq = scale E dO S^T + Pm k
+            T.gemm(do_s, h_s, dq_f, transpose_B=True, clear_accum=True)
+            for i, d in T.Parallel(C, K):
+                dq_f[i, d] = dq_f[i, d] * (T.exp2(g_s[i] * LOG2E) * scale)
+                ew_f[i, d] = dq_f[i, d] * q_s[i, d]
+            T.reduce_sum(ew_f, row_f, dim=1)
+            T.copy(row_f, r_q)
+            T.gemm(m1_s, k_s, dq_f)
+            if L == C:
+                T.copy(dq_f, dq_out[0, t0 : t0 + C, bhv, :])
+            else:
+                for i, d in T.Parallel(C, K):
+                    if i < L:
+                        dq_out[0, t0 + i, bhv, d] = dq_f[i, d]
+
+            # ---- dk
+            T.gemm(tn_s, h_s, dk_f, transpose_B=True, clear_accum=True)
+            for i, d in T.Parallel(C, K):
+                dk_f[i, d] = dk_f[i, d] * T.exp2(g_s[i] * LOG2E)
+                ew_f[i, d] = dk_f[i, d] * k_s[i, d]
+            T.reduce_sum(ew_f, row_f, dim=1)
+            T.copy(row_f, r_kw)
+            T.gemm(vn_s, dh_s, tmp_f, transpose_B=True, clear_accum=True)
+            for i, d in T.Parallel(C, K):
+                tmp_f[i, d] = T.if_then_else(i < L, tmp_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E), T.float32(0))
+                ew_f[i, d] = tmp_f[i, d] * k_s[i, d]
+                dk_f[i, d] = dk_f[i, d] + tmp_f[i, d]
+            T.reduce_sum(ew_f, row_f, dim=1)
+            T.copy(row_f, r_kd)
+            T.reduce_sum(row_f, one_f, dim=0)
+            sc_s[1] = one_f[0]
+            T.gemm(m1_s, q_s, dk_f, transpose_A=True)
+            T.gemm(m2_s, k_s, dk_f)
+            T.gemm(m2_s, k_s, dk_f, transpose_A=True)
+            if L == C:
+                T.copy(dk_f, dk_out[0, t0 : t0 + C, bhv, :])
+            else:
+                for i, d in T.Parallel(C, K):
+                    if i < L:
+                        dk_out[0, t0 + i, bhv, d] = dk_f[i, d]
+
+            # ---- dG, reverse cumsum inside the chunk, dbeta
+            for i in T.Parallel(C):
+                dg_s[i] = (
+                    r_q[i] + r_kw[i] - r_kd[i] + r_1r[i] - r_1c[i] + r_2r[i] - r_2c[i]
+                    + T.if_then_else(i == L - 1, sc_s[0] + sc_s[1], T.float32(0))
+                )
+            T.cumsum(dg_s, dim=0, reverse=True)
+            for i in T.Parallel(C):
+                if i < L:
+                    dg_out[0, t0 + i, bhv] = dg_s[i]
+                    db_out[0, t0 + i, bhv] = T.if_then_else(
+                        b_s[i] != T.float32(0), (r_2r[i] + r_ab[i]) / b_s[i], T.float32(0)
+                    )
+
+    return gdn_bwd_grad
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel 3b: as kernel 3, but one block walks the HV/H v-heads of one qk-head in order and
+# accumulates dq, dk on chip (q, k read once; dq, dk written once, in the input dtype).
+# ----------------------------------------------------------------------------------------
+def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, threads: int = 256):
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
+    dtype = tl_dtype(dtype)
+    grp = HV // H
+    assert HV % H == 0 and K % 16 == 0 and V % 16 == 0
+    scale = float(scale)
+    RS = 32  # rows per slice of the <S, dS'> reduction
+    assert K % RS == 0
+
+    Ttot = T.dynamic("num_tokens")
+    NC = T.dynamic("num_chunks")
+    N1 = T.dynamic("num_seqs_plus_one")
+
+    @T.prim_func
+    def gdn_bwd_grad_group(
+        q: T.Tensor((1, Ttot, H, K), dtype),
+        k: T.Tensor((1, Ttot, H, K), dtype),
+        do: T.Tensor((1, Ttot, HV, V), dtype),
+        vres: T.Tensor((1, Ttot, HV, V), dtype),
+        dvn: T.Tensor((1, Ttot, HV, V), dtype),
+        ag: T.Tensor((1, Ttot, HV, C), dtype),
+        gc: T.Tensor((1, Ttot, HV), acc),
+        beta: T.Tensor((1, Ttot, HV), acc),
+        h: T.Tensor((NC, HV, K, V), dtype),
+        dh: T.Tensor((NC, HV, K, V), dtype),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_tab: T.Tensor((NC, 2), "int32"),
+        dq_out: T.Tensor((1, Ttot, H, K), dtype),
+        dk_out: T.Tensor((1, Ttot, H, K), dtype),
+        dg_out: T.Tensor((1, Ttot, HV), acc),
+        db_out: T.Tensor((1, Ttot, HV), acc),
+    ):
+        with T.Kernel(NC, H, threads=threads) as (bc, bh):
+            n = chunk_tab[bc, 0]
+            t0 = cu_seqlens[n] + chunk_tab[bc, 1] * C
+            L = T.min(cu_seqlens[n + 1] - t0, C)
+
+            q_s = T.alloc_shared((C, K), dtype)
+            k_s = T.alloc_shared((C, K), dtype)
+            do_s = T.alloc_shared((C, V), dtype)
+            vr_s = T.alloc_shared((C, V), dtype)
+            dvn_s = T.alloc_shared((C, V), dtype)
+            a_s = T.alloc_shared((C, C), dtype)
+            h_s = T.alloc_shared((K, V), dtype)
+            dh_s = T.alloc_shared((K, V), dtype)
+            vn_s = T.alloc_shared((C, V), dtype)
+            tn_s = T.alloc_shared((C, V), dtype)
+            m1_s = T.alloc_shared((C, C), dtype)  # dAg, later Pm
+            m2_s = T.alloc_shared((C, C), dtype)  # dAg Ag^T, later dKK
+            g_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            r_q = T.alloc_shared((C,), acc)
+            r_kw = T.alloc_shared((C,), acc)
+            r_kd = T.alloc_shared((C,), acc)
+            r_1r = T.alloc_shared((C,), acc)
+            r_1c = T.alloc_shared((C,), acc)
+            r_2r = T.alloc_shared((C,), acc)
+            r_2c = T.alloc_shared((C,), acc)
+            r_ab = T.alloc_shared((C,), acc)
+            dg_s = T.alloc_shared((C,), acc)
+            sc_s = T.alloc_shared((2,), acc)
+
+            cv_f = T.alloc_fragment((C, V), acc)
+            cc_f = T.alloc_fragment((C, C), acc)
+            cc2_f = T.alloc_fragment((C, C), acc)
+            x_f = T.alloc_fragment((C, C), acc)
+            dq_f = T.alloc_fragment((C, K), acc)
+            dk_f = T.alloc_fragment((C, K), acc)
+            tmp_f = T.alloc_fragment((C, K), acc)
+            hd_f = T.alloc_fragment((RS, V), acc)
+            row_f = T.alloc_fragment((C,), acc)
+            col_f = T.alloc_fragment((C,), acc)
+            hrow_f = T.alloc_fragment((RS,), acc)
+            one_f = T.alloc_fragment((1,), acc)
+            glast = T.alloc_var(acc)
+
+            if L == C:
+                T.copy(q[0, t0 : t0 + C, bh, :], q_s)
+                T.copy(k[0, t0 : t0 + C, bh, :], k_s)
+            else:
+                for i, d in T.Parallel(C, K):
+                    q_s[i, d] = T.if_then_else(i < L, q[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
+                    k_s[i, d] = T.if_then_else(i < L, k[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
+            T.clear(dq_f)
+            T.clear(dk_f)
+
+            for j in T.serial(grp):
+                bhv = bh * grp + j
+                T.copy(h[bc, bhv, :, :], h_s)
+                T.copy(dh[bc, bhv, :, :], dh_s)
+                if L == C:
+                    T.copy(do[0, t0 : t0 + C, bhv, :], do_s)
+                    T.copy(vres[0, t0 : t0 + C, bhv, :], vr_s)
+                    T.copy(dvn[0, t0 : t0 + C, bhv, :], dvn_s)
+                    T.copy(ag[0, t0 : t0 + C, bhv, :], a_s)
+                else:
+                    for i, d in T.Parallel(C, V):
+                        do_s[i, d] = T.if_then_else(i < L, do[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
+                        vr_s[i, d] = T.if_then_else(i < L, vres[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
+                        dvn_s[i, d] = T.if_then_else(i < L, dvn[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
+                    for i, d in T.Parallel(C, C):
+                        a_s[i, d] = T.if_then_else(i < L, ag[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
+                for i in T.Parallel(C):
+                    g_s[i] = gc[0, t0 + T.min(i, L - 1), bhv]
+                    b_s[i] = T.if_then_else(i < L, beta[0, t0 + T.min(i, L - 1), bhv], T.float32(0))
+                glast = g_s[C - 1]
+
+                # exp(GL) <S, dS'>
+                T.clear(hd_f)
+                for sl in T.serial(K // RS):
+                    for i, d in T.Parallel(RS, V):
+                        hd_f[i, d] += T.cast(h_s[sl * RS + i, d], acc) * T.cast(dh_s[sl * RS + i, d], acc)
+                T.reduce_sum(hd_f, hrow_f, dim=1)
+                T.reduce_sum(hrow_f, one_f, dim=0)
+                sc_s[0] = one_f[0] * T.exp2(glast * LOG2E)
+
+                # v_new = Ag vres
+                T.gemm(a_s, vr_s, cv_f, clear_accum=True)
+                T.copy(cv_f, vn_s)
+                # dAg = tril_incl(dvn vres^T); colsum(dAg o Ag) feeds dbeta
+                T.gemm(dvn_s, vr_s, cc_f, transpose_B=True, clear_accum=True)
+                for i, jj in T.Parallel(C, C):
+                    cc_f[i, jj] = T.if_then_else(i >= jj, cc_f[i, jj], T.float32(0))
+                    m1_s[i, jj] = cc_f[i, jj]
+                for i, jj in T.Parallel(C, C):
+                    x_f[i, jj] = cc_f[i, jj] * a_s[i, jj]
+                T.reduce_sum(x_f, col_f, dim=0)
+                T.copy(col_f, r_ab)
+                # t = Ag^T dvn (= dv); keep -t
+                T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
+                for i, d in T.Parallel(C, V):
+                    tn_s[i, d] = -cv_f[i, d]
+                # BdA = -Ag^T (dAg Ag^T)
+                T.gemm(m1_s, a_s, cc_f, transpose_B=True, clear_accum=True)
+                T.copy(cc_f, m2_s)
+                T.gemm(a_s, m2_s, cc2_f, transpose_A=True, clear_accum=True)
+                T.gemm(k_s, k_s, cc_f, transpose_B=True, clear_accum=True)
+                for i, jj in T.Parallel(C, C):
+                    x_f[i, jj] = T.if_then_else(
+                        i > jj, -cc2_f[i, jj] * cc_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E), T.float32(0)
+                    )
+                    m2_s[i, jj] = T.if_then_else(
+                        i > jj, -cc2_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E), T.float32(0)
+                    )
+                T.reduce_sum(x_f, row_f, dim=1)
+                T.reduce_sum(x_f, col_f, dim=0)
+                T.copy(row_f, r_2r)
+                T.copy(col_f, r_2c)
+                # Pm = scale tril_incl(dO v_new^T o Gam)
+                T.gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)
+                T.gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
+                for i, jj in T.Parallel(C, C):
+                    x_f[i, jj] = T.if_then_else(
+                        i >= jj, cc2_f[i, jj] * cc_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E) * scale,
+                        T.float32(0),
+                    )
+                    m1_s[i, jj] = T.if_then_else(
+                        i >= jj, cc2_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E) * scale, T.float32(0)
+                    )
+                T.reduce_sum(x_f, row_f, dim=1)
+                T.reduce_sum(x_f, col_f, dim=0)
+                T.copy(row_f, r_1r)
+                T.copy(col_f, r_1c)
+
+                # dq += scale E dO S^T + Pm k
+                T.gemm(do_s, h_s, tmp_f, transpose_B=True, clear_accum=True)
+                for i, d in T.Parallel(C, K):
+                    tmp_f[i, d] = tmp_f[i, d] * (T.exp2(g_s[i] * LOG2E) * scale)
+                    dq_f[i, d] = dq_f[i, d] + tmp_f[i, d]
+                for i, d in T.Parallel(C, K):
+                    tmp_f[i, d] = tmp_f[i, d] * q_s[i, d]
+                T.reduce_sum(tmp_f, row_f, dim=1)
+                T.copy(row_f, r_q)
+                T.gemm(m1_s, k_s, dq_f)
+
+                # dk += -E t S^T + exp(GL - G) v_new dS'^T + Pm^T q + dKK k + dKK^T k
+                T.gemm(tn_s, h_s, tmp_f, transpose_B=True, clear_accum=True)
+                for i, d in T.Parallel(C, K):
+                    tmp_f[i, d] = tmp_f[i, d] * T.exp2(g_s[i] * LOG2E)
+                    dk_f[i, d] = dk_f[i, d] + tmp_f[i, d]
+                for i, d in T.Parallel(C, K):
+                    tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
+                T.reduce_sum(tmp_f, row_f, dim=1)
+                T.copy(row_f, r_kw)
+                T.gemm(vn_s, dh_s, tmp_f, transpose_B=True, clear_accum=True)
+                for i, d in T.Parallel(C, K):
+                    tmp_f[i, d] = T.if_then_else(i < L, tmp_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E), T.float32(0))
+                    dk_f[i, d] = dk_f[i, d] + tmp_f[i, d]
+                for i, d in T.Parallel(C, K):
+                    tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
+                T.reduce_sum(tmp_f, row_f, dim=1)
+                T.copy(row_f, r_kd)
+                T.reduce_sum(row_f, one_f, dim=0)
+                sc_s[1] = one_f[0]
+                T.gemm(m1_s, q_s, dk_f, transpose_A=True)
+                T.gemm(m2_s, k_s, dk_f)
+                T.gemm(m2_s, k_s, dk_f, transpose_A=True)
+
+                # dG, reverse cumsum inside the chunk, dbeta
+                for i in T.Parallel(C):
+                    dg_s[i] = (
+                        r_q[i] + r_kw[i] - r_kd[i] + r_1r[i] - r_1c[i] + r_2r[i] - r_2c[i]
+                        + T.if_then_else(i == L - 1, sc_s[0] + sc_s[1], T.float32(0))
+                    )
+                T.cumsum(dg_s, dim=0, reverse=True)
+                for i in T.Parallel(C):
+                    if i < L:
+                        dg_out[0, t0 + i, bhv] = dg_s[i]
+                        db_out[0, t0 + i, bhv] = T.if_then_else(
+                            b_s[i] != T.float32(0), (r_2r[i] + r_ab[i]) / b_s[i], T.float32(0)
+                        )
+
+            if L == C:
+                T.copy(dq_f, dq_out[0, t0 : t0 + C, bh, :])
+                T.copy(dk_f, dk_out[0, t0 : t0 + C, bh, :])
+            else:
+                for i, d in T.Parallel(C, K):
+                    if i < L:
+                        dq_out[0, t0 + i, bh, d] = dq_f[i, d]
+                        dk_out[0, t0 + i, bh, d] = dk_f[i, d]
+
+    return gdn_bwd_grad_group
+
+
+# ----------------------------------------------------------------------------------------
+# Python side
+# ----------------------------------------------------------------------------------------
+# The grad kernel that walks the v-heads of a qk-head in one block (kernel 3b) is the default;
+# kernel 3 (one block per v-head, dq/dk per v-head summed afterwards) stays for comparison.
+DEFAULT_GROUP_GRAD = True
+
+
+def default_block_v(V: int) -> int:
+    """V tile of the two recurrent kernels: 32 for V = 128 (4 tiles -> 4x more blocks than heads;
+    8.03 ms vs 9.27 ms with 64 for the whole backward at 1 x 32k, H16/HV32 on an H200), else 64."""
+    if V == 128:
+        return 32
+    return 64 if V % 64 == 0 else V
+
+
+def bwd_kernel_specs(H, HV, K, V, dtype, scale, use_initial_state, use_dht, block_v=None, group_grad=None):
+    """[(factory, params)] of the three backward kernels for one configuration."""
+    if block_v is None:
+        block_v = default_block_v(V)
+    if group_grad is None:
+        group_grad = DEFAULT_GROUP_GRAD
+    dtype = tl_dtype(dtype)
+    dqk = dtype if HV == H else "float32"
+    if group_grad:
+        grad = (build_bwd_grad_group_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale)))
+    else:
+        grad = (build_bwd_grad_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), dqk_dtype=dqk))
+    return [
+        (build_bwd_h_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, use_initial_state=bool(use_initial_state),
+                                  block_v=int(block_v))),
+        (build_bwd_dh_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), use_dht=bool(use_dht),
+                                   store_dh0=bool(use_initial_state), block_v=int(block_v))),
+        grad,
+    ]
+
+
+def torch_prepare(k, g, beta, cu_seqlens):
+    """G and Ag of the SPEC in torch (packed [1, T] inputs); a reference for debugging."""
+    Tn, H, K = k.shape[1], k.shape[2], k.shape[3]
+    HV = g.shape[2]
+    grp = HV // H
+    C = CHUNK
+    G = torch.zeros(1, Tn, HV, dtype=torch.float32, device=k.device)
+    Ag = torch.zeros(1, Tn, HV, C, dtype=k.dtype, device=k.device)
+    edges = cu_seqlens.tolist()
+    for n in range(len(edges) - 1):
+        for t0 in range(edges[n], edges[n + 1], C):
+            L = min(edges[n + 1] - t0, C)
+            kc = k[0, t0 : t0 + L].double().repeat_interleave(grp, dim=1).transpose(0, 1)  # [HV, L, K]
+            gc = g[0, t0 : t0 + L].double().cumsum(0).transpose(0, 1)  # [HV, L]
+            bc = beta[0, t0 : t0 + L].double().transpose(0, 1)
+            lm = torch.tril(bc[..., None] * (kc @ kc.transpose(-1, -2)), -1)
+            eye = torch.eye(L, dtype=torch.float64, device=k.device)
+            m = torch.linalg.solve_triangular(eye + lm, eye.expand_as(lm), upper=False, unitriangular=True)
+            ag = torch.tril(m * torch.exp(gc[..., :, None] - gc[..., None, :])) * bc[..., None, :]
+            G[0, t0 : t0 + L] = gc.transpose(0, 1).float()
+            Ag[0, t0 : t0 + L, :, :L] = ag.transpose(0, 1).to(k.dtype)
+    return G, Ag
+
+
+# Test hook: when True every buffer the backward allocates starts as NaN, so that an element
+# a kernel forgets to write shows up in the GPU check.
+POISON_BUFFERS = False
+
+
+def _empty(*shape, dtype, device):
+    if POISON_BUFFERS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+def _saved_tensor(saved, name, shape):
+    if not isinstance(saved, dict):
+        return None
+    t = saved.get(name)
+    if t is None or t.numel() != int(torch.Size(shape).numel()):
+        return None
+    return t.reshape(shape)
+
+
+def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, saved,
+                                         state_v_first=False, block_v=None, group_grad=None):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0) of the chunked GDN forward on Hopper.
+
+    do [B,T,HV,V]; dht fp32 final-state gradient or None; q,k [B,T,H,K] bf16/fp16 (already
+    l2-normalised if the forward normalised them); v [B,T,HV,V]; g, beta [B,T,HV];
+    initial_state fp32 or None; cu_seqlens [N+1] (B == 1) or None; `saved` is the forward's
+    third output (may be None: G and Ag are then recomputed). States are [N,HV,K,V]
+    ([N,HV,V,K] with state_v_first). Output gradients have the dtypes of their inputs
+    (dh0 fp32; None without initial_state).
+    """
+    B, Tn, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    assert q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+    assert HV % H == 0
+    dev = q.device
+    dt = q.dtype
+    if scale is None:
+        scale = K**-0.5
+    grp = HV // H
+    Ttot = B * Tn
+    if cu_seqlens is not None:
+        assert B == 1, "varlen inputs must be packed with B == 1"
+        cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
+    else:
+        cu = (torch.arange(B + 1, device=dev, dtype=torch.int32) * Tn).contiguous()
+    N = cu.shape[0] - 1
+
+    def flat(x, *tail):
+        return x.reshape(1, Ttot, *tail).contiguous()
+
+    qf, kf = flat(q, H, K), flat(k, H, K)
+    vf = flat(v, HV, V)
+    dof = flat(do.to(dt), HV, V)
+    b32 = flat(beta.float(), HV)
+
+    gcum = _saved_tensor(saved, "g_cumsum", (1, Ttot, HV))
+    ag = _saved_tensor(saved, "Ag", (1, Ttot, HV, CHUNK))
+    ctab = saved.get("chunk_table") if isinstance(saved, dict) and cu_seqlens is not None else None
+    if gcum is None or ag is None or ag.dtype != dt:
+        from .tilelang_fwd import prepare_fwd
+
+        gcum, ag, ctab = prepare_fwd(kf, flat(g.float(), HV), b32, cu_seqlens=cu)
+    gcum = gcum.float().contiguous()
+    ag = ag.contiguous()
+    if ctab is None:
+        ctab = chunk_table(cu)
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    n_chunks = (lens + CHUNK - 1) // CHUNK
+    chunk_offsets = torch.zeros(N + 1, dtype=torch.int32, device=dev)
+    chunk_offsets[1:] = torch.cumsum(n_chunks, 0).to(torch.int32)
+    NC = int(ctab.shape[0])
+
+    sdims = (HV, K, V)
+    use_h0 = initial_state is not None
+    use_dht = dht is not None
+    if use_h0:
+        h0 = initial_state.float()
+        h0 = (h0.transpose(-1, -2) if state_v_first else h0).contiguous()
+    else:
+        h0 = torch.zeros(1, *sdims, dtype=torch.float32, device=dev)
+    if use_dht:
+        dhtf = dht.float()
+        dhtf = (dhtf.transpose(-1, -2) if state_v_first else dhtf).contiguous()
+    else:
+        dhtf = torch.zeros(1, *sdims, dtype=torch.float32, device=dev)
+
+    if group_grad is None:
+        group_grad = DEFAULT_GROUP_GRAD
+    specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht, block_v, group_grad)
+    k_h, k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs)
+    dqk_dtype = dt if (grp == 1 or group_grad) else torch.float32
+    dqk_heads = H if group_grad else HV
+
+    h_st = _empty(NC, *sdims, dtype=dt, device=dev)
+    dh_st = _empty(NC, *sdims, dtype=dt, device=dev)
+    vres = _empty(1, Ttot, HV, V, dtype=dt, device=dev)
+    dvn = _empty(1, Ttot, HV, V, dtype=dt, device=dev)
+    dv = _empty(1, Ttot, HV, V, dtype=dt, device=dev)
+    dh0 = _empty(N if use_h0 else 1, *sdims, dtype=torch.float32, device=dev)
+    dq = _empty(1, Ttot, dqk_heads, K, dtype=dqk_dtype, device=dev)
+    dk = _empty(1, Ttot, dqk_heads, K, dtype=dqk_dtype, device=dev)
+    dg = _empty(1, Ttot, HV, dtype=torch.float32, device=dev)
+    db = _empty(1, Ttot, HV, dtype=torch.float32, device=dev)
+
+    if NC > 0:
+        k_h(kf, vf, ag, gcum, cu, chunk_offsets, h0, h_st, vres)
+        k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, dhtf, dh_st, dvn, dv, dh0)
+        k_grad(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq, dk, dg, db)
+    else:
+        for t in (dq, dk, dv, dg, db):
+            t.zero_()
+        if use_h0:
+            dh0.copy_(dhtf if use_dht else torch.zeros_like(dh0))
+
+    if grp > 1 and not group_grad:
+        dq = dq.view(1, Ttot, H, grp, K).sum(3)
+        dk = dk.view(1, Ttot, H, grp, K).sum(3)
+    dq = dq.to(dt).reshape(B, Tn, H, K)
+    dk = dk.to(dt).reshape(B, Tn, H, K)
+    dv = dv.reshape(B, Tn, HV, V)
+    dg = dg.to(g.dtype).reshape(B, Tn, HV)
+    db = db.to(beta.dtype).reshape(B, Tn, HV)
+    if use_h0:
+        dh0 = (dh0.transpose(-1, -2) if state_v_first else dh0).contiguous()
+    else:
+        dh0 = None
+    return dq, dk, dv, dg, db, dh0
+
+
+_ENTRY = {"build_bwd_h_kernel": "gdn_bwd_h", "build_bwd_dh_kernel": "gdn_bwd_dh",
+          "build_bwd_grad_kernel": "gdn_bwd_grad", "build_bwd_grad_group_kernel": "gdn_bwd_grad_group"}
+
+
+def lowering_cases():
+    """(name, factory, params, entry) for every backward kernel variant the CI lowers."""
+    cases = []
+    for dtype in ("bfloat16", "float16"):
+        for dim in (128, 64):
+            tag = f"{dtype}_k{dim}"
+            for f, p in bwd_kernel_specs(2, 4, dim, dim, dtype, dim**-0.5, True, True):
+                entry = _ENTRY[f.__name__]
+                cases.append((f"{entry}_{tag}", f, p, entry))
+    # GVA-free (dq/dk written in the input dtype) and no-state variants
+    for f, p in bwd_kernel_specs(4, 4, 128, 128, "bfloat16", 128**-0.5, False, False):
+        entry = _ENTRY[f.__name__]
+        cases.append((f"{entry}_bfloat16_k128_nostate_mha", f, p, entry))
+    # the per-v-head grad kernel
+    f, p = bwd_kernel_specs(2, 4, 128, 128, "bfloat16", 128**-0.5, True, True, group_grad=False)[2]
+    cases.append(("gdn_bwd_grad_bfloat16_k128_per_head", f, p, "gdn_bwd_grad"))
+    return cases

@@ -1,0 +1,37 @@
+"""Lower the TileLang backward kernels to CUDA source for sm_90a on the CPU (no GPU, no nvcc).
+
+By default every backward kernel is lowered for bf16 with K = V = 128 and for fp16 with
+K = V = 64 (all kernels take packed, varlen inputs, so dense input is the same code); set
+FLASH_QLA_CP_LOWER_ALL=1 to lower the whole matrix (both dtypes x both head sizes, plus the
+MHA / no-state variant). Skipped when tilelang is not importable.
+"""
+
+import os
+
+import pytest
+
+pytest.importorskip("tilelang")
+
+from flash_qla_cp.kernels.lowering import lower_to_cuda_source  # noqa: E402
+from flash_qla_cp.kernels.tilelang_bwd_impl import lowering_cases  # noqa: E402
+
+ALL = lowering_cases()
+if os.environ.get("FLASH_QLA_CP_LOWER_ALL", "0") not in ("1", "true", "yes"):
+    CASES = [c for c in ALL if c[0].endswith("_bfloat16_k128") or c[0].endswith("_float16_k64")]
+else:
+    CASES = ALL
+
+
+def test_cases_cover_every_kernel():
+    entries = {c[3] for c in CASES}
+    assert {"gdn_bwd_h", "gdn_bwd_dh", "gdn_bwd_grad_group"} <= entries
+    assert any("float16_k64" in c[0] for c in CASES) and any("bfloat16_k128" in c[0] for c in CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_lower_bwd_kernel(case):
+    name, factory, params, entry = case
+    src = lower_to_cuda_source(factory(**params), arch="sm_90a")
+    assert "__global__" in src and entry in src, f"{name}: entry {entry!r} missing"
+    assert "wgmma" in src, f"{name}: no wgmma in the generated source"
+    assert "atomic" not in src.lower(), f"{name}: atomics would break determinism"
