@@ -1,9 +1,11 @@
 """Side-by-side timing of chunked Gated DeltaNet kernels on one GPU.
 
 Libraries (same inputs, same process, same timing method):
-  ours      flash_qla_cp TileLang kernels (forward: kernels.tilelang_fwd; forward+backward through
-            flash_qla_cp.ops.chunk_gated_delta_rule(backend="tilelang") when kernels.tilelang_bwd
-            imports, else 'n/a')
+  ours      flash_qla_cp TileLang kernels, no intra-card split (forward: the kernels called
+            directly; forward+backward: chunk_gated_delta_rule(backend="tilelang", intra_cp="off")
+            with the opt-in TileLang backward, FLASH_QLA_CP_TILELANG_BWD=1, set below)
+  ours_cp   the same through chunk_gated_delta_rule(backend="tilelang", intra_cp="auto"): the
+            cost model splits long sequences inside the card (flash_qla_cp.parallel.intra)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
@@ -12,6 +14,9 @@ Libraries (same inputs, same process, same timing method):
 Usage:  python benchmarks/bench_kernels.py [--shapes a,b] [--libs ours,flashqla,fla] [--no-bwd]
         [--out DIR] [--rep MS]
 Writes bench_kernels.json and bench_kernels.md into DIR (default $OUT, else benchmarks/results).
+
+Accuracy: every library's forward output and final state are compared with the torch chunked
+reference computed in float32 on the same GPU (relative L2 error, columns o_err / ht_err).
 
 Timing: triton.testing.do_bench (warm-up, then the median of repeated launches, L2 flushed
 between runs by do_bench). No CUDA graphs: the varlen paths of all three libraries read
@@ -22,6 +27,7 @@ import os
 
 os.environ.setdefault("FLA_FLASH_QLA", "0")
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+os.environ.setdefault("FLASH_QLA_CP_TILELANG_BWD", "1")  # time our backward kernels (opt-in in the library)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -130,22 +136,25 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
     def grads_inputs():
         return [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta)]
 
-    if lib == "ours":
+    if lib in ("ours", "ours_cp"):
         from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
+        from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
+
+        intra = "auto" if lib == "ours_cp" else "off"
 
         def fwd():
-            return tilelang_chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu32,
-                                                       fused_config=ours_cfg)
+            if lib == "ours":
+                return tilelang_chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu32,
+                                                           fused_config=ours_cfg)[:2]
+            with torch.no_grad():
+                return ours_op(q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu32,
+                               backend="tilelang", intra_cp=intra)
 
-        try:
-            from flash_qla_cp.kernels import tilelang_bwd  # noqa: F401
-            from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
-        except Exception as exc:  # noqa: BLE001
-            return fwd, f"n/a (no TileLang backward: {exc!r})"[:300]
         ins = grads_inputs()
 
         def fwdbwd():
-            o, _ = ours_op(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32, backend="tilelang")
+            o, _ = ours_op(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32, backend="tilelang",
+                           intra_cp=intra)
             o.backward(do)
 
         return fwd, fwdbwd
@@ -183,6 +192,23 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
 
         return fwd, fwdbwd
     raise ValueError(lib)
+
+
+def reference_outputs(q, k, v, g, beta, cu, scale):
+    """(o, final state) of the torch chunked reference in float32 on the GPU."""
+    from flash_qla_cp.kernels.reference_chunked import chunk_gated_delta_rule_torch
+
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule_torch(q.float(), k.float(), v.float(), g, beta, scale, None, True,
+                                             None if cu is None else cu.cuda())
+    return o, ht
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm()).item()
 
 
 def measure(fn, rep_ms):
@@ -249,6 +275,7 @@ def main():
         fl_f = flop_count(Bx, B * T // Bx, H, HV, K, V, cu)
         by_f = byte_count(Bx, B * T // Bx, H, HV, K, V, cu)
         by_fb = byte_count(Bx, B * T // Bx, H, HV, K, V, cu, bwd=True)
+        ref = reference_outputs(q, k, v, g, beta, cu, scale)
         for lib in libs:
             row = {"shape": sname, "B": B, "T": T, "H": H, "HV": HV, "K": K, "V": V,
                    "varlen_seqs": nseq, "lib": lib}
@@ -263,6 +290,9 @@ def main():
                 print(json.dumps(row), flush=True)
                 continue
             try:
+                got = fwd()
+                row.update(o_err=rel_l2(got[0], ref[0]), ht_err=rel_l2(got[1], ref[1]))
+                del got
                 ms, peak = measure(fwd, args.rep)
                 row.update(fwd_ms=ms, fwd_tflops=fl_f / ms / 1e9, fwd_gbps=by_f / ms / 1e6, fwd_peak_mib=peak / 2**20)
             except Exception as exc:  # noqa: BLE001
@@ -306,17 +336,32 @@ def to_markdown(meta, rows, partial=False):
         f"Timing: {meta['timing']}. TFLOP/s and GB/s use the counts documented in bench_kernels.py "
         "(fwd+bwd FLOPs = 3x fwd).",
         "",
-        "| shape | lib | fwd ms | fwd TFLOP/s | fwd GB/s | fwd peak MiB | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd peak MiB | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Speed-up columns: FlashQLA's time / this library's time on the same shape (> 1: faster than "
+        "FlashQLA). o err / ht err: relative L2 error of the output / final state against the float32 "
+        "torch reference.",
+        "",
+        "| shape | lib | fwd ms | x FlashQLA | fwd TFLOP/s | fwd GB/s | fwd peak MiB | fwd+bwd ms | x FlashQLA "
+        "| fwd+bwd TFLOP/s | fwd+bwd peak MiB | o err | ht err | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    peer = {(r["shape"], key): r.get(key) for r in rows if r["lib"] == "flashqla" for key in ("fwd_ms", "fwdbwd_ms")}
+
+    def speedup(r, key):
+        mine, theirs = r.get(key), peer.get((r["shape"], key))
+        return "-" if not mine or not theirs else f"{theirs / mine:.2f}"
+
+    def sci(r, key):
+        return "-" if r.get(key) is None else f"{r[key]:.1e}"
+
     for r in rows:
         cfg = r.get("ours_config")
         note = ("config " + ",".join(f"{k}={v}" for k, v in cfg.items()) + "; ") if cfg else ""
         note += "; ".join(r[k][:160].replace("|", "/").replace("\n", " ") for k in ("fwd_error", "fwdbwd_error") if k in r)
         out.append(
-            f"| {r['shape']} | {r['lib']} | {_fmt(r, 'fwd_ms')} | {_fmt(r, 'fwd_tflops', 1)} | {_fmt(r, 'fwd_gbps', 0)} | "
-            f"{_fmt(r, 'fwd_peak_mib', 0)} | {_fmt(r, 'fwdbwd_ms')} | {_fmt(r, 'fwdbwd_tflops', 1)} | "
-            f"{_fmt(r, 'fwdbwd_peak_mib', 0)} | {note} |"
+            f"| {r['shape']} | {r['lib']} | {_fmt(r, 'fwd_ms')} | {speedup(r, 'fwd_ms')} | {_fmt(r, 'fwd_tflops', 1)} | "
+            f"{_fmt(r, 'fwd_gbps', 0)} | {_fmt(r, 'fwd_peak_mib', 0)} | {_fmt(r, 'fwdbwd_ms')} | "
+            f"{speedup(r, 'fwdbwd_ms')} | {_fmt(r, 'fwdbwd_tflops', 1)} | {_fmt(r, 'fwdbwd_peak_mib', 0)} | "
+            f"{sci(r, 'o_err')} | {sci(r, 'ht_err')} | {note} |"
         )
     return "\n".join(out) + "\n"
 

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=None, help="GDN head dim; default hidden // heads")
     p.add_argument("--attn-every", type=int, default=0, help="every k-th block is softmax attention (0: none)")
     p.add_argument("--cp-intra", default="off",
-                   help="intra-card CP split inside each rank: off | auto | N partitions (CPContext.build(intra=))")
+                   help="intra-card CP split inside each rank: off | auto | N partitions (CPContext.build(intra=); "
+                        "with --cp 1 the op's intra_cp; 'auto' splits only on the TileLang backend)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=1.0,
                    help="cosine decay to lr * ratio over --decay-steps (1.0: constant after warm-up)")
@@ -159,6 +160,8 @@ def model_config(args) -> HybridLMConfig:
     gdn_kwargs = {}
     if args.backend != "auto":
         gdn_kwargs["backend"] = args.backend
+    if args.cp == 1:  # no CPContext then: the op's own intra-card switch
+        gdn_kwargs["intra_cp"] = args.cp_intra if args.cp_intra in ("auto", "off") else int(args.cp_intra)
     return HybridLMConfig(
         vocab_size=ByteTokenizer.vocab_size,
         hidden_size=args.hidden,
@@ -356,8 +359,9 @@ def _train(args, d: Dist) -> list[float]:
                 now = time.perf_counter()
                 tps = tokens_since / max(now - t_last, 1e-9)
                 window = losses[-(tokens_since // args.seq_len):]
+                mem = f" | peak GiB {torch.cuda.max_memory_allocated() / 2**30:.1f}" if d.device.type == "cuda" else ""
                 _log(d, f"step {done:5d} | loss {global_loss:.4f} | avg {sum(window) / len(window):.4f} | lr {lr:.2e} | "
-                        f"tokens/s {tps:,.0f} | elapsed {now - t0:.1f}s")
+                        f"tokens/s {tps:,.0f} | elapsed {now - t0:.1f}s{mem}")
                 t_last, tokens_since = now, 0
             if args.save and args.save_every and done % args.save_every == 0 and done != args.steps:
                 save_checkpoint(args.save, model, optimizer, done, args, d)

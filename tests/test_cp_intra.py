@@ -192,7 +192,7 @@ def test_op_intra_cp_dense_batch():
 def test_op_intra_cp_auto_is_off_on_torch_backend():
     """'auto' only splits on the TileLang backend; the CPU torch path stays bit-identical."""
     x, cu, h0 = _case(seed=5)
-    a = _run_op(x, cu, h0)
+    a = _run_op(x, cu, h0, intra_cp="auto")
     b = _run_op(x, cu, h0, intra_cp="off")
     for name in a:
         assert torch.equal(a[name], b[name]), name

@@ -25,7 +25,7 @@ E = diag(exp G), Gam_ij = exp(G_i - G_j), GL = G[L-1]:
     BdA  = -Ag^T dAg Ag^T   (strict lower; = diag(beta) dA for the gated A)
     dq   = scale E dO S^T + (tril_incl(dO v_new^T o Gam) scale) k
     dk   = -E t S^T + diag(exp(GL - G)) v_new dS'^T + Pm^T q + (BdA o Gam) k + (BdA o Gam)^T k
-    dG   = row terms (see `_grad_body`), dg = reverse cumsum of dG inside the chunk
+    dG   = row terms (see kernel 3), dg = reverse cumsum of dG inside the chunk
     dbeta_i = (rowsum(BdA o kk^T o Gam)_i + colsum(dAg o Ag)_i) / beta_i
 (the division is exact in relative terms because Ag's column j carries the factor beta_j;
 a beta of exactly 0 gets dbeta 0).
@@ -41,9 +41,6 @@ Kernels (all take packed [1, Ttot, ...] tensors, cu_seqlens [N+1] int32):
 * `build_bwd_grad_group_kernel` grid (NC, H), 256 threads (the default): one chunk and one
   qk-head per block, walking its HV/H v-heads in order; dq, dk accumulate on chip and are
   written once in the input dtype; dg (already reverse-cumsummed) and dbeta in fp32.
-* `build_bwd_grad_kernel` grid (NC, HV), 256 threads (kept for comparison): one chunk and
-  v-head per block; dq, dk per v-head (fp32 when HV > H, summed over the group afterwards in
-  a fixed order).
 No atomics anywhere: the result is bitwise deterministic.
 """
 
@@ -58,7 +55,6 @@ LOG2E = 1.4426950408889634
 __all__ = [
     "build_bwd_h_kernel",
     "build_bwd_dh_kernel",
-    "build_bwd_grad_kernel",
     "build_bwd_grad_group_kernel",
     "bwd_kernel_specs",
     "tilelang_chunk_gated_delta_rule_bwd",
@@ -329,229 +325,9 @@ def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: floa
 
 
 # ----------------------------------------------------------------------------------------
-# Kernel 3: all per-chunk gradients (dq, dk, dg, dbeta) of one chunk and v-head.
-# ----------------------------------------------------------------------------------------
-def build_bwd_grad_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, dqk_dtype: str,
-                          threads: int = 256):
-    _, T = import_tilelang()
-    C = CHUNK
-    acc = "float32"
-    dtype = tl_dtype(dtype)
-    dqk_dtype = tl_dtype(dqk_dtype)
-    grp = HV // H
-    assert HV % H == 0 and K % 16 == 0 and V % 16 == 0
-    scale = float(scale)
-    RS = 32  # rows per slice of the <S, dS'> reduction
-    assert K % RS == 0
-
-    Ttot = T.dynamic("num_tokens")
-    NC = T.dynamic("num_chunks")
-    N1 = T.dynamic("num_seqs_plus_one")
-
-    @T.prim_func
-    def gdn_bwd_grad(
-        q: T.Tensor((1, Ttot, H, K), dtype),
-        k: T.Tensor((1, Ttot, H, K), dtype),
-        do: T.Tensor((1, Ttot, HV, V), dtype),
-        vres: T.Tensor((1, Ttot, HV, V), dtype),
-        dvn: T.Tensor((1, Ttot, HV, V), dtype),
-        ag: T.Tensor((1, Ttot, HV, C), dtype),
-        gc: T.Tensor((1, Ttot, HV), acc),
-        beta: T.Tensor((1, Ttot, HV), acc),
-        h: T.Tensor((NC, HV, K, V), dtype),
-        dh: T.Tensor((NC, HV, K, V), dtype),
-        cu_seqlens: T.Tensor((N1,), "int32"),
-        chunk_tab: T.Tensor((NC, 2), "int32"),
-        dq_out: T.Tensor((1, Ttot, HV, K), dqk_dtype),
-        dk_out: T.Tensor((1, Ttot, HV, K), dqk_dtype),
-        dg_out: T.Tensor((1, Ttot, HV), acc),
-        db_out: T.Tensor((1, Ttot, HV), acc),
-    ):
-        with T.Kernel(NC, HV, threads=threads) as (bc, bhv):
-            bh = bhv // grp
-            n = chunk_tab[bc, 0]
-            t0 = cu_seqlens[n] + chunk_tab[bc, 1] * C
-            L = T.min(cu_seqlens[n + 1] - t0, C)
-
-            q_s = T.alloc_shared((C, K), dtype)
-            k_s = T.alloc_shared((C, K), dtype)
-            do_s = T.alloc_shared((C, V), dtype)
-            vr_s = T.alloc_shared((C, V), dtype)
-            dvn_s = T.alloc_shared((C, V), dtype)
-            a_s = T.alloc_shared((C, C), dtype)
-            h_s = T.alloc_shared((K, V), dtype)
-            dh_s = T.alloc_shared((K, V), dtype)
-            vn_s = T.alloc_shared((C, V), dtype)
-            tn_s = T.alloc_shared((C, V), dtype)
-            m1_s = T.alloc_shared((C, C), dtype)  # dAg, later Pm
-            m2_s = T.alloc_shared((C, C), dtype)  # dAg Ag^T, later dKK
-            g_s = T.alloc_shared((C,), acc)
-            b_s = T.alloc_shared((C,), acc)
-            # per-row partial terms of dG / dbeta
-            r_q = T.alloc_shared((C,), acc)
-            r_kw = T.alloc_shared((C,), acc)
-            r_kd = T.alloc_shared((C,), acc)
-            r_1r = T.alloc_shared((C,), acc)
-            r_1c = T.alloc_shared((C,), acc)
-            r_2r = T.alloc_shared((C,), acc)
-            r_2c = T.alloc_shared((C,), acc)
-            r_ab = T.alloc_shared((C,), acc)
-            dg_s = T.alloc_shared((C,), acc)
-            sc_s = T.alloc_shared((2,), acc)
-
-            cv_f = T.alloc_fragment((C, V), acc)
-            cc_f = T.alloc_fragment((C, C), acc)
-            cc2_f = T.alloc_fragment((C, C), acc)
-            x_f = T.alloc_fragment((C, C), acc)
-            dq_f = T.alloc_fragment((C, K), acc)
-            dk_f = T.alloc_fragment((C, K), acc)
-            tmp_f = T.alloc_fragment((C, K), acc)
-            ew_f = T.alloc_fragment((C, K), acc)
-            hd_f = T.alloc_fragment((RS, V), acc)
-            row_f = T.alloc_fragment((C,), acc)
-            col_f = T.alloc_fragment((C,), acc)
-            hrow_f = T.alloc_fragment((RS,), acc)
-            one_f = T.alloc_fragment((1,), acc)
-            glast = T.alloc_var(acc)
-
-            # ---- loads (padding rows are zero; G repeats its last valid value)
-            T.copy(h[bc, bhv, :, :], h_s)
-            T.copy(dh[bc, bhv, :, :], dh_s)
-            if L == C:
-                T.copy(q[0, t0 : t0 + C, bh, :], q_s)
-                T.copy(k[0, t0 : t0 + C, bh, :], k_s)
-                T.copy(do[0, t0 : t0 + C, bhv, :], do_s)
-                T.copy(vres[0, t0 : t0 + C, bhv, :], vr_s)
-                T.copy(dvn[0, t0 : t0 + C, bhv, :], dvn_s)
-                T.copy(ag[0, t0 : t0 + C, bhv, :], a_s)
-            else:
-                for i, d in T.Parallel(C, K):
-                    q_s[i, d] = T.if_then_else(i < L, q[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
-                    k_s[i, d] = T.if_then_else(i < L, k[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
-                for i, d in T.Parallel(C, V):
-                    do_s[i, d] = T.if_then_else(i < L, do[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
-                    vr_s[i, d] = T.if_then_else(i < L, vres[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
-                    dvn_s[i, d] = T.if_then_else(i < L, dvn[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
-                for i, d in T.Parallel(C, C):
-                    a_s[i, d] = T.if_then_else(i < L, ag[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
-            for i in T.Parallel(C):
-                g_s[i] = gc[0, t0 + T.min(i, L - 1), bhv]
-                b_s[i] = T.if_then_else(i < L, beta[0, t0 + T.min(i, L - 1), bhv], T.float32(0))
-            glast = g_s[C - 1]
-
-            # ---- exp(GL) <S, dS'>
-            T.clear(hd_f)
-            for sl in T.serial(K // RS):
-                for i, d in T.Parallel(RS, V):
-                    hd_f[i, d] += T.cast(h_s[sl * RS + i, d], acc) * T.cast(dh_s[sl * RS + i, d], acc)
-            T.reduce_sum(hd_f, hrow_f, dim=1)
-            T.reduce_sum(hrow_f, one_f, dim=0)
-            sc_s[0] = one_f[0] * T.exp2(glast * LOG2E)
-
-            # ---- v_new = Ag vres
-            T.gemm(a_s, vr_s, cv_f, clear_accum=True)
-            T.copy(cv_f, vn_s)
-            # ---- dAg = tril_incl(dvn vres^T); colsum(dAg o Ag) feeds dbeta
-            T.gemm(dvn_s, vr_s, cc_f, transpose_B=True, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j], T.float32(0))
-                m1_s[i, j] = cc_f[i, j]
-            for i, j in T.Parallel(C, C):
-                x_f[i, j] = cc_f[i, j] * a_s[i, j]
-            T.reduce_sum(x_f, col_f, dim=0)
-            T.copy(col_f, r_ab)
-            # ---- t = Ag^T dvn (= dv); keep -t
-            T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
-            for i, d in T.Parallel(C, V):
-                tn_s[i, d] = -cv_f[i, d]
-            # ---- BdA = -Ag^T (dAg Ag^T)
-            T.gemm(m1_s, a_s, cc_f, transpose_B=True, clear_accum=True)
-            T.copy(cc_f, m2_s)
-            T.gemm(a_s, m2_s, cc2_f, transpose_A=True, clear_accum=True)
-            T.gemm(k_s, k_s, cc_f, transpose_B=True, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                x_f[i, j] = T.if_then_else(
-                    i > j, -cc2_f[i, j] * cc_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E), T.float32(0)
-                )
-                m2_s[i, j] = T.if_then_else(i > j, -cc2_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E), T.float32(0))
-            T.reduce_sum(x_f, row_f, dim=1)
-            T.reduce_sum(x_f, col_f, dim=0)
-            T.copy(row_f, r_2r)
-            T.copy(col_f, r_2c)
-            # ---- intra-chunk attention terms: Pm = scale tril_incl(dO v_new^T o Gam)
-            T.gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)
-            T.gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                x_f[i, j] = T.if_then_else(
-                    i >= j, cc2_f[i, j] * cc_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * scale, T.float32(0)
-                )
-                m1_s[i, j] = T.if_then_else(i >= j, cc2_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * scale, T.float32(0))
-            T.reduce_sum(x_f, row_f, dim=1)
-            T.reduce_sum(x_f, col_f, dim=0)
-            T.copy(row_f, r_1r)
-            T.copy(col_f, r_1c)
-
-            # ---- dq = scale E dO S^T + Pm k
-            T.gemm(do_s, h_s, dq_f, transpose_B=True, clear_accum=True)
-            for i, d in T.Parallel(C, K):
-                dq_f[i, d] = dq_f[i, d] * (T.exp2(g_s[i] * LOG2E) * scale)
-                ew_f[i, d] = dq_f[i, d] * q_s[i, d]
-            T.reduce_sum(ew_f, row_f, dim=1)
-            T.copy(row_f, r_q)
-            T.gemm(m1_s, k_s, dq_f)
-            if L == C:
-                T.copy(dq_f, dq_out[0, t0 : t0 + C, bhv, :])
-            else:
-                for i, d in T.Parallel(C, K):
-                    if i < L:
-                        dq_out[0, t0 + i, bhv, d] = dq_f[i, d]
-
-            # ---- dk
-            T.gemm(tn_s, h_s, dk_f, transpose_B=True, clear_accum=True)
-            for i, d in T.Parallel(C, K):
-                dk_f[i, d] = dk_f[i, d] * T.exp2(g_s[i] * LOG2E)
-                ew_f[i, d] = dk_f[i, d] * k_s[i, d]
-            T.reduce_sum(ew_f, row_f, dim=1)
-            T.copy(row_f, r_kw)
-            T.gemm(vn_s, dh_s, tmp_f, transpose_B=True, clear_accum=True)
-            for i, d in T.Parallel(C, K):
-                tmp_f[i, d] = T.if_then_else(i < L, tmp_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E), T.float32(0))
-                ew_f[i, d] = tmp_f[i, d] * k_s[i, d]
-                dk_f[i, d] = dk_f[i, d] + tmp_f[i, d]
-            T.reduce_sum(ew_f, row_f, dim=1)
-            T.copy(row_f, r_kd)
-            T.reduce_sum(row_f, one_f, dim=0)
-            sc_s[1] = one_f[0]
-            T.gemm(m1_s, q_s, dk_f, transpose_A=True)
-            T.gemm(m2_s, k_s, dk_f)
-            T.gemm(m2_s, k_s, dk_f, transpose_A=True)
-            if L == C:
-                T.copy(dk_f, dk_out[0, t0 : t0 + C, bhv, :])
-            else:
-                for i, d in T.Parallel(C, K):
-                    if i < L:
-                        dk_out[0, t0 + i, bhv, d] = dk_f[i, d]
-
-            # ---- dG, reverse cumsum inside the chunk, dbeta
-            for i in T.Parallel(C):
-                dg_s[i] = (
-                    r_q[i] + r_kw[i] - r_kd[i] + r_1r[i] - r_1c[i] + r_2r[i] - r_2c[i]
-                    + T.if_then_else(i == L - 1, sc_s[0] + sc_s[1], T.float32(0))
-                )
-            T.cumsum(dg_s, dim=0, reverse=True)
-            for i in T.Parallel(C):
-                if i < L:
-                    dg_out[0, t0 + i, bhv] = dg_s[i]
-                    db_out[0, t0 + i, bhv] = T.if_then_else(
-                        b_s[i] != T.float32(0), (r_2r[i] + r_ab[i]) / b_s[i], T.float32(0)
-                    )
-
-    return gdn_bwd_grad
-
-
-# ----------------------------------------------------------------------------------------
-# Kernel 3b: as kernel 3, but one block walks the HV/H v-heads of one qk-head in order and
-# accumulates dq, dk on chip (q, k read once; dq, dk written once, in the input dtype).
+# Kernel 3: all per-chunk gradients (dq, dk, dg, dbeta). One block walks the HV/H v-heads of
+# one qk-head in order and accumulates dq, dk on chip (q, k read once; dq, dk written once, in
+# the input dtype).
 # ----------------------------------------------------------------------------------------
 def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, threads: int = 256):
     _, T = import_tilelang()
@@ -782,9 +558,6 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
 # ----------------------------------------------------------------------------------------
 # Python side
 # ----------------------------------------------------------------------------------------
-# The grad kernel that walks the v-heads of a qk-head in one block (kernel 3b) is the default;
-# kernel 3 (one block per v-head, dq/dk per v-head summed afterwards) stays for comparison.
-DEFAULT_GROUP_GRAD = True
 
 
 def default_block_v(V: int) -> int:
@@ -795,18 +568,12 @@ def default_block_v(V: int) -> int:
     return 64 if V % 64 == 0 else V
 
 
-def bwd_kernel_specs(H, HV, K, V, dtype, scale, use_initial_state, use_dht, block_v=None, group_grad=None):
+def bwd_kernel_specs(H, HV, K, V, dtype, scale, use_initial_state, use_dht, block_v=None):
     """[(factory, params)] of the three backward kernels for one configuration."""
     if block_v is None:
         block_v = default_block_v(V)
-    if group_grad is None:
-        group_grad = DEFAULT_GROUP_GRAD
     dtype = tl_dtype(dtype)
-    dqk = dtype if HV == H else "float32"
-    if group_grad:
-        grad = (build_bwd_grad_group_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale)))
-    else:
-        grad = (build_bwd_grad_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), dqk_dtype=dqk))
+    grad = (build_bwd_grad_group_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale)))
     return [
         (build_bwd_h_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, use_initial_state=bool(use_initial_state),
                                   block_v=int(block_v))),
@@ -861,7 +628,7 @@ def _saved_tensor(saved, name, shape):
 
 
 def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, saved,
-                                         state_v_first=False, block_v=None, group_grad=None):
+                                         state_v_first=False, block_v=None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of the chunked GDN forward on Hopper.
 
     do [B,T,HV,V]; dht fp32 final-state gradient or None; q,k [B,T,H,K] bf16/fp16 (already
@@ -927,12 +694,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     else:
         dhtf = torch.zeros(1, *sdims, dtype=torch.float32, device=dev)
 
-    if group_grad is None:
-        group_grad = DEFAULT_GROUP_GRAD
-    specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht, block_v, group_grad)
+    specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht, block_v)
     k_h, k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs)
-    dqk_dtype = dt if (grp == 1 or group_grad) else torch.float32
-    dqk_heads = H if group_grad else HV
 
     h_st = _empty(NC, *sdims, dtype=dt, device=dev)
     dh_st = _empty(NC, *sdims, dtype=dt, device=dev)
@@ -940,8 +703,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     dvn = _empty(1, Ttot, HV, V, dtype=dt, device=dev)
     dv = _empty(1, Ttot, HV, V, dtype=dt, device=dev)
     dh0 = _empty(N if use_h0 else 1, *sdims, dtype=torch.float32, device=dev)
-    dq = _empty(1, Ttot, dqk_heads, K, dtype=dqk_dtype, device=dev)
-    dk = _empty(1, Ttot, dqk_heads, K, dtype=dqk_dtype, device=dev)
+    dq = _empty(1, Ttot, H, K, dtype=dt, device=dev)
+    dk = _empty(1, Ttot, H, K, dtype=dt, device=dev)
     dg = _empty(1, Ttot, HV, dtype=torch.float32, device=dev)
     db = _empty(1, Ttot, HV, dtype=torch.float32, device=dev)
 
@@ -955,9 +718,6 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         if use_h0:
             dh0.copy_(dhtf if use_dht else torch.zeros_like(dh0))
 
-    if grp > 1 and not group_grad:
-        dq = dq.view(1, Ttot, H, grp, K).sum(3)
-        dk = dk.view(1, Ttot, H, grp, K).sum(3)
     dq = dq.to(dt).reshape(B, Tn, H, K)
     dk = dk.to(dt).reshape(B, Tn, H, K)
     dv = dv.reshape(B, Tn, HV, V)
@@ -971,7 +731,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
 
 
 _ENTRY = {"build_bwd_h_kernel": "gdn_bwd_h", "build_bwd_dh_kernel": "gdn_bwd_dh",
-          "build_bwd_grad_kernel": "gdn_bwd_grad", "build_bwd_grad_group_kernel": "gdn_bwd_grad_group"}
+          "build_bwd_grad_group_kernel": "gdn_bwd_grad_group"}
 
 
 def lowering_cases():
@@ -987,7 +747,4 @@ def lowering_cases():
     for f, p in bwd_kernel_specs(4, 4, 128, 128, "bfloat16", 128**-0.5, False, False):
         entry = _ENTRY[f.__name__]
         cases.append((f"{entry}_bfloat16_k128_nostate_mha", f, p, entry))
-    # the per-v-head grad kernel
-    f, p = bwd_kernel_specs(2, 4, 128, 128, "bfloat16", 128**-0.5, True, True, group_grad=False)[2]
-    cases.append(("gdn_bwd_grad_bfloat16_k128_per_head", f, p, "gdn_bwd_grad"))
     return cases

@@ -83,6 +83,8 @@ class GatedDeltaNet(nn.Module):
         norm_eps: eps of the gated RMSNorm.
         layer_idx: this layer's index (used by caches).
         backend: passed to `chunk_gated_delta_rule` ('auto', 'torch', 'tilelang').
+        intra_cp: the op's intra-card split when no cp_context is given ('off' by default,
+            'auto': TileLang only, or partitions per sequence).
         proj_layout: 'qwen3_next' (grouped in_proj_qkvz / in_proj_ba) or 'qwen3_5' (separate
             in_proj_qkv / in_proj_z / in_proj_b / in_proj_a); the math is the same.
     """
@@ -100,6 +102,7 @@ class GatedDeltaNet(nn.Module):
         layer_idx: int | None = None,
         backend: str = "auto",
         proj_layout: str = "qwen3_next",
+        intra_cp="off",
         device=None,
         dtype=None,
     ):
@@ -115,6 +118,8 @@ class GatedDeltaNet(nn.Module):
             _fail(f"conv_size must be an int >= 2, got {conv_size!r}")
         if backend not in ("auto", "torch", "tilelang"):
             _fail(f"backend must be 'auto', 'torch' or 'tilelang', got {backend!r}")
+        if intra_cp not in ("auto", "off") and not (type(intra_cp) is int and intra_cp >= 1):
+            _fail(f"intra_cp must be 'auto', 'off' or a positive int, got {intra_cp!r}")
         if proj_layout not in ("qwen3_next", "qwen3_5"):
             _fail(f"proj_layout must be 'qwen3_next' or 'qwen3_5', got {proj_layout!r}")
         self.hidden_size = hidden_size
@@ -127,6 +132,7 @@ class GatedDeltaNet(nn.Module):
         self.norm_eps = norm_eps
         self.layer_idx = layer_idx
         self.backend = backend
+        self.intra_cp = intra_cp
         self.proj_layout = proj_layout
         self.key_dim = num_heads * head_k_dim
         self.value_dim = num_v_heads * head_v_dim
@@ -233,7 +239,7 @@ class GatedDeltaNet(nn.Module):
         if cp_context is None and cu_seqlens is None and q.shape[1] == 1:
             o, state = recurrent_step(q, k, v, g, beta, self.head_k_dim**-0.5, initial_state)
             return o, (state if output_final_state else None)
-        extra = {} if cp_context is None else {"cp_context": cp_context}
+        extra = {"intra_cp": self.intra_cp} if cp_context is None else {"cp_context": cp_context}
         return chunk_gated_delta_rule(
             q, k, v, g, beta,
             initial_state=initial_state,

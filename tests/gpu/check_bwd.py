@@ -58,7 +58,7 @@ def reference_grads(x, cu, h0, dht, do, scale):
 
 
 def run_case(name, B, T, H, HV, K, V, dtype, lengths=None, with_h0=True, with_dht=True, state_v_first=False,
-             use_fwd_saved=False, seed=0, ref=True, group_grad=None, block_v=None):
+             use_fwd_saved=False, seed=0, ref=True, block_v=None):
     x, cu, h0, dht, do = case_inputs(B, T, H, HV, K, V, dtype, lengths, with_h0, with_dht, seed)
     scale = K**-0.5
     h0_in = h0.transpose(-1, -2).contiguous() if (h0 is not None and state_v_first) else h0
@@ -74,15 +74,14 @@ def run_case(name, B, T, H, HV, K, V, dtype, lengths=None, with_h0=True, with_dh
         bwd.POISON_BUFFERS = True
         out = bwd.tilelang_chunk_gated_delta_rule_bwd(do, dht_in, x["q"], x["k"], x["v"], x["g"], x["beta"], scale,
                                                      h0_in, cu, saved, state_v_first=state_v_first,
-                                                     group_grad=group_grad, block_v=block_v)
+                                                     block_v=block_v)
         bwd.POISON_BUFFERS = False
         torch.cuda.synchronize()
         runs.append([None if t is None else t.clone() for t in out])
     got, again = runs
     res = {"name": name, "B": B, "T": T, "H": H, "HV": HV, "K": K, "V": V, "dtype": str(dtype),
            "lengths": lengths, "initial_state": with_h0, "dht": with_dht, "state_v_first": state_v_first,
-           "fwd_saved": use_fwd_saved, "group_grad": bwd.DEFAULT_GROUP_GRAD if group_grad is None else group_grad,
-           "block_v": block_v}
+           "fwd_saved": use_fwd_saved, "block_v": block_v}
     res["deterministic"] = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, again))
     res["nondeterministic_outputs"] = [n for n, a, b in zip(NAMES, got, again)
                                        if not ((a is None and b is None) or torch.equal(a, b))]
@@ -112,8 +111,7 @@ def run_case(name, B, T, H, HV, K, V, dtype, lengths=None, with_h0=True, with_dh
                                             x["beta"].reshape(1, Ttot, HV), cu_f)
                 out2 = bwd.tilelang_chunk_gated_delta_rule_bwd(
                     do, dht_in, x["q"], x["k"], x["v"], x["g"], x["beta"], scale, h0_in, cu,
-                    {"g_cumsum": gq, "Ag": agq}, state_v_first=state_v_first, group_grad=group_grad,
-                    block_v=block_v)
+                    {"g_cumsum": gq, "Ag": agq}, state_v_first=state_v_first, block_v=block_v)
                 out2 = list(out2)
                 if out2[5] is not None and state_v_first:
                     out2[5] = out2[5].transpose(-1, -2)
@@ -131,8 +129,6 @@ CASES = [
                                             use_fwd_saved=True)),
     ("varlen_bf16_h2hv4_odd", dict(B=1, T=1943, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
                                    lengths=[1, 63, 64, 65, 200, 517, 1033])),
-    ("varlen_bf16_h2hv4_odd_per_head_grad", dict(B=1, T=1943, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
-                                                 lengths=[1, 63, 64, 65, 200, 517, 1033], group_grad=False)),
     ("varlen_bf16_h2hv4_odd_bv64", dict(B=1, T=1943, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
                                         lengths=[1, 63, 64, 65, 200, 517, 1033], block_v=64, seed=3)),
     ("varlen_bf16_h2hv4_vfirst", dict(B=1, T=333, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
@@ -151,7 +147,7 @@ CASES = [
 def specs_for(kw):
     K, V = kw["K"], kw["V"]
     out = bwd.bwd_kernel_specs(kw["H"], kw["HV"], K, V, kw["dtype"], K**-0.5, kw.get("with_h0", True),
-                               kw.get("with_dht", True), kw.get("block_v"), kw.get("group_grad"))
+                               kw.get("with_dht", True), kw.get("block_v"))
     from flash_qla_cp.kernels.tilelang_fwd import build_prepare_kernel, fwd_kernel_specs
 
     if kw.get("use_fwd_saved"):
@@ -163,7 +159,7 @@ def specs_for(kw):
     return out
 
 
-BENCH_VARIANTS = [(64, True), (64, False), (16, True)]
+BENCH_VARIANTS = [64, 16]  # V tiles besides the default
 
 
 def peer_errors():
@@ -213,14 +209,14 @@ def bench(results, budget_s):
     out["ours_fwd_ms"] = tt.do_bench(fwd, warmup=50, rep=300, return_mode="median")
     out["ours_bwd_ms"] = tt.do_bench(bwd_only, warmup=50, rep=300, return_mode="median")
     out["ours_fwd_bwd_ms"] = tt.do_bench(fwd_bwd, warmup=50, rep=300, return_mode="median")
-    for bv, gg in BENCH_VARIANTS:
-        def variant(bv=bv, gg=gg):
+    for bv in BENCH_VARIANTS:
+        def variant(bv=bv):
             return bwd.tilelang_chunk_gated_delta_rule_bwd(do, None, q, k, v, g, beta, scale, None, None, saved,
-                                                           block_v=bv, group_grad=gg)
+                                                           block_v=bv)
         try:
-            out[f"ours_bwd_ms_bv{bv}_group{int(gg)}"] = tt.do_bench(variant, warmup=30, rep=200, return_mode="median")
+            out[f"ours_bwd_ms_bv{bv}"] = tt.do_bench(variant, warmup=30, rep=200, return_mode="median")
         except Exception as exc:
-            out[f"ours_bwd_ms_bv{bv}_group{int(gg)}"] = repr(exc)
+            out[f"ours_bwd_ms_bv{bv}"] = repr(exc)
     # per-kernel split of the backward
     try:
         from torch.profiler import ProfilerActivity, profile
@@ -298,8 +294,8 @@ def main():
         from flash_qla_cp.kernels.tilelang_fwd import fwd_kernel_specs
 
         specs += bwd.bwd_kernel_specs(16, 32, 128, 128, torch.bfloat16, 128**-0.5, False, False)
-        for bv, gg in BENCH_VARIANTS:
-            specs += bwd.bwd_kernel_specs(16, 32, 128, 128, torch.bfloat16, 128**-0.5, False, False, bv, gg)
+        for bv in BENCH_VARIANTS:
+            specs += bwd.bwd_kernel_specs(16, 32, 128, 128, torch.bfloat16, 128**-0.5, False, False, bv)
         for hh, hv in ((4, 4), (2, 4)):
             specs += bwd.bwd_kernel_specs(hh, hv, 128, 128, torch.bfloat16, 128**-0.5, False, False)
             from flash_qla_cp.kernels.tilelang_fwd import build_prepare_kernel
