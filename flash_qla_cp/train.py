@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, help="checkpoint directory to resume from (if it holds one)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--metrics-out", default=None, help="rank 0 appends one JSON line per step (step, loss, ...)")
+    p.add_argument("--checkpoint-blocks", action="store_true",
+                   help="activation checkpointing per block: far less activation memory, ~1/3 more compute")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16")
     p.add_argument("--backend", default="auto", help="GDN kernel backend: auto | torch | tilelang")
@@ -298,6 +300,7 @@ def _train(args, d: Dist) -> list[float]:
     torch.manual_seed(args.seed)
     cfg = model_config(args)
     model = HybridLM(cfg).to(d.device)
+    model.checkpoint_blocks = args.checkpoint_blocks
     if d.distributed:
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, src=0)

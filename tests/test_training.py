@@ -113,6 +113,35 @@ def test_hybrid_lm_documents_in_a_packed_row_do_not_see_each_other():
     assert model.lm_head_weight is model.embed.weight
 
 
+def test_block_checkpointing_gives_the_same_loss_and_gradients():
+    """Activation checkpointing recomputes each block in the backward: same numbers, less memory."""
+    torch.manual_seed(0)
+    cfg = HybridLMConfig(hidden_size=64, num_layers=2, num_heads=2, attn_every=2, gdn_kwargs={"backend": "torch"})
+    model = HybridLM(cfg).double()
+    ids = torch.randint(0, cfg.vocab_size, (1, 150))
+    cu = torch.tensor([0, 60, 150], dtype=torch.int32)
+    results, kept = [], []
+    for flag in (False, True):
+        model.checkpoint_blocks = flag
+        model.zero_grad()
+        nbytes = [0]
+
+        def pack(t, nbytes=nbytes):
+            nbytes[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = model(ids, cu_seqlens=cu)
+        logits.double().logsumexp(-1).sum().backward()
+        kept.append(nbytes[0])
+        results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert kept[1] < kept[0] / 2, kept  # the blocks' activations were not kept for the backward
+    (l0, g0), (l1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-12, atol=1e-14, msg=name)
+
+
 # ------------------------------------------------------------------------------------------ training
 
 
@@ -137,14 +166,16 @@ def test_resume_continues_the_same_loss_curve(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("intra", ["off", "2"])
-def test_two_process_cp_gives_the_single_process_losses(tmp_path, intra):
+@pytest.mark.parametrize("intra,ckpt", [("off", False), ("2", False), ("off", True)])
+def test_two_process_cp_gives_the_single_process_losses(tmp_path, intra, ckpt):
     """torchrun --nproc-per-node 2 --cp 2 (gloo) == 1 process without CP, step by step, fp32;
-    inter-card CP alone and dual CP (each rank's slice further split into 2 intra partitions)."""
+    inter-card CP alone, dual CP (each rank's slice further split into 2 intra partitions), and
+    CP with activation checkpointing (the recompute replays the CP collectives)."""
     args = [*TINY, "--steps", "4", "--seed", "5", "--min-doc-bytes", "300"]
     single = main(args)
     out = tmp_path / "cp.jsonl"
-    log = _torchrun(2, [*args, "--cp", "2", "--cp-intra", intra, "--metrics-out", str(out)])
+    extra = ["--checkpoint-blocks"] if ckpt else []
+    log = _torchrun(2, [*args, "--cp", "2", "--cp-intra", intra, "--metrics-out", str(out), *extra])
     assert "world 2 = dp 1 x cp 2" in log and "tokens/s" in log and "elapsed" in log
     cp = _losses(out)
     assert len(cp) == 4
