@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call of the device tool: unpack the package bundle (and a TileLang kernel cache carried from
+# an earlier call), run the named phases, and hand the cache back under $OUT for the next call.
+#
+#   run(command="bash tests/gpu/device_session.sh check_fwd check_cp bench", carry=[".device"])
+#   then, here: cp <files_at>/tlcache.tar.xz .device/   (next call compiles nothing it has seen)
+#
+# Phases: check_fwd check_bwd check_cp bench long_seq. SHAPES / LIBS narrow the benchmark;
+# SEQ_LENS the long-sequence ladder (with activation checkpointing).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+tar -xJf .device/site.tar.xz -C /tmp || exit 1
+[ -f .device/tlcache.tar.xz ] && tar -xJf .device/tlcache.tar.xz -C /tmp
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlcache
+export FLASH_QLA_CP_TILELANG_BWD=1  # the GPU checks and timings cover the opt-in TileLang backward
+OUT=${OUT:-/tmp/device_out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+for phase in "$@"; do
+  echo "== $phase $(date -u +%T)"
+  case $phase in
+    check_fwd) timeout 300 python tests/gpu/check_fwd.py --quick --out "$OUT/check_fwd" 2>&1 | grep -v TileLang | tail -20 ;;
+    check_bwd) timeout 400 python tests/gpu/check_bwd.py --quick --no-bench --out "$OUT/check_bwd" 2>&1 | grep -v TileLang | tail -20 ;;
+    check_cp) timeout 200 python tests/gpu/check_cp.py intra 2>&1 | grep -v TileLang | tee "$OUT/check_cp.log" | cut -c1-600 ;;
+    bench) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_kernels.py --out "$OUT/bench" \
+             ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-300 ;;
+    long_seq)
+      for L in ${SEQ_LENS:-262144 524288}; do
+        echo "-- seq-len $L (--checkpoint-blocks)" | tee -a "$OUT/long_seq.log"
+        timeout 200 python examples/pretrain.py --device cuda --cp 1 --seq-len "$L" --min-doc-bytes $((L / 2)) \
+          --layers 8 --hidden 1024 --heads 8 --v-heads 16 --head-dim 128 --attn-every 0 --steps 4 \
+          --log-every 1 --lr 1e-3 --checkpoint-blocks 2>&1 | grep -vi "tilelang\|warn" | tail -6 | tee -a "$OUT/long_seq.log"
+      done ;;
+    *) echo "unknown phase $phase" ;;
+  esac
+done
+tar -C /tmp -cJf "$OUT/tlcache.tar.xz" tlcache 2>/dev/null
+ls -la "$OUT"
