@@ -14,7 +14,7 @@ import torch
 from .backends import choose_backend
 from .kernels.reference_chunked import chunk_gated_delta_rule_torch
 from .kernels.shapes import l2norm
-from .validation import check_inputs
+from .validation import check_inputs, is_intra_option
 
 
 @dataclass
@@ -217,11 +217,10 @@ def chunk_gated_delta_rule(
 def _intra_card_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                      cu_seqlens, state_v_first, backend, intra_cp):
     """Run through the intra-card CP engine, or return None when the plain op should run."""
-    forced = isinstance(intra_cp, int) and not isinstance(intra_cp, bool) and intra_cp >= 1
-    if intra_cp != "auto" and not forced:
+    if not is_intra_option(intra_cp):
         raise ValueError(f"chunk_gated_delta_rule: intra_cp must be 'auto', 'off' or a positive int, got {intra_cp!r}")
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first)
-    if not forced and choose_backend(backend, q, v) != "tilelang":
+    if intra_cp == "auto" and choose_backend(backend, q, v) != "tilelang":
         return None
     from .parallel.context import CPContext
     from .parallel.dual import cp_chunk_gated_delta_rule

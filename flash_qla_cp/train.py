@@ -138,15 +138,18 @@ class Dist:
 # ----------------------------------------------------------------------------- data slicing
 
 
+def parse_intra(text: str):
+    """--cp-intra: 'auto' / 'off' stay strings, a number becomes the partition count."""
+    return text if text in ("auto", "off") else int(text)
+
+
 def build_cp_context(row: PackedBatch, d: Dist, intra="off"):
     """The CPContext of this rank for the CP group's row (None when cp == 1)."""
     if d.cp == 1:
         return None
     from .parallel import CPContext
 
-    if intra not in ("auto", "off"):
-        intra = int(intra)
-    return CPContext.build(row.cu_seqlens, group=d.cp_group, intra=intra)
+    return CPContext.build(row.cu_seqlens, group=d.cp_group, intra=parse_intra(intra))
 
 
 def local_slice(row: PackedBatch, d: Dist, cp_context) -> tuple[int, int]:
@@ -163,7 +166,7 @@ def model_config(args) -> HybridLMConfig:
     if args.backend != "auto":
         gdn_kwargs["backend"] = args.backend
     if args.cp == 1:  # no CPContext then: the op's own intra-card switch
-        gdn_kwargs["intra_cp"] = args.cp_intra if args.cp_intra in ("auto", "off") else int(args.cp_intra)
+        gdn_kwargs["intra_cp"] = parse_intra(args.cp_intra)
     return HybridLMConfig(
         vocab_size=ByteTokenizer.vocab_size,
         hidden_size=args.hidden,

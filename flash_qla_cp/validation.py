@@ -51,6 +51,11 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
     return num_seqs
 
 
+def is_intra_option(value) -> bool:
+    """An intra-card CP setting: 'auto', 'off' or a positive int (partitions per sequence; not a bool)."""
+    return value in ("auto", "off") or (type(value) is int and value >= 1)
+
+
 def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> int:
     """cu_seqlens must be a 1-D integer tensor [N+1] from 0 to T, non-decreasing, with B == 1."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):

@@ -1,6 +1,6 @@
 """TileLang Hopper (sm_90a) forward kernels for chunked Gated DeltaNet.
 
-SPEC (shared with the backward kernels, `tilelang_bwd*.py`)
+SPEC (shared with the backward kernels, `tilelang_bwd_impl.py`)
 ==========================================================
 Notation per v-head, chunk of C = 64 tokens (the last chunk of a sequence may be partial,
 length L <= 64; rows/cols >= L are padding):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..kernels.shapes import expand_qk_heads, l2norm
 from ..ops import chunk_gated_delta_rule
+from ..validation import is_intra_option
 from .norm import GatedRMSNorm
 from .short_conv import ShortConvolution, last_kept_inputs
 
@@ -118,7 +119,7 @@ class GatedDeltaNet(nn.Module):
             _fail(f"conv_size must be an int >= 2, got {conv_size!r}")
         if backend not in ("auto", "torch", "tilelang"):
             _fail(f"backend must be 'auto', 'torch' or 'tilelang', got {backend!r}")
-        if intra_cp not in ("auto", "off") and not (type(intra_cp) is int and intra_cp >= 1):
+        if not is_intra_option(intra_cp):
             _fail(f"intra_cp must be 'auto', 'off' or a positive int, got {intra_cp!r}")
         if proj_layout not in ("qwen3_next", "qwen3_5"):
             _fail(f"proj_layout must be 'qwen3_next' or 'qwen3_5', got {proj_layout!r}")

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..validation import is_intra_option
+
 
 class CPError(ValueError):
     """Raised identically on every rank of the CP group."""
@@ -151,7 +153,7 @@ class CPContext:
             _agree(edges, T, problem, rank, world, group)
         elif problem:
             raise CPError(problem)
-        if intra not in ("auto", "off") and not (isinstance(intra, int) and intra >= 1):
+        if not is_intra_option(intra):
             raise CPError(f"intra must be 'auto', 'off' or a positive int, got {intra!r}")
         L = T // world
         layouts = [_layout(edges, r * L, (r + 1) * L, T) for r in range(world)]
