@@ -1,11 +1,11 @@
 """Side-by-side timing of chunked Gated DeltaNet kernels on one GPU.
 
 Libraries (same inputs, same process, same timing method):
-  ours      flash_qla_cp TileLang kernels, no intra-card split (forward: the kernels called
-            directly; forward+backward: chunk_gated_delta_rule(backend="tilelang", intra_cp="off")
-            with the opt-in TileLang backward, FLASH_QLA_CP_TILELANG_BWD=1, set below)
-  ours_cp   the same through chunk_gated_delta_rule(backend="tilelang", intra_cp="auto"): the
-            cost model splits long sequences inside the card (flash_qla_cp.parallel.intra)
+  ours      flash_qla_cp's public chunk_gated_delta_rule(backend="tilelang") with its defaults
+            (intra_cp="auto": long sequences on few heads are split inside the kernels,
+            kernels/tilelang_split.py) and the opt-in TileLang backward
+            (FLASH_QLA_CP_TILELANG_BWD=1, set below)
+  ours_nosplit  the same with intra_cp="off" (one CTA walks a whole sequence per head and tile)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
@@ -116,6 +116,17 @@ def make_inputs(B, T, H, HV, K, V, seed=0, dtype=torch.bfloat16):
     return q, k, v, gg, beta
 
 
+def shape_inputs(name):
+    """(q, k, v, g, beta, cu) for a named shape; varlen shapes come packed [1, B*T, ...] with
+    cu_seqlens (CPU int64), dense ones as [B, T, ...] with cu None."""
+    B, T, H, HV, K, V, nseq = SHAPES[name]
+    q, k, v, g, beta = make_inputs(B, T, H, HV, K, V)
+    if not nseq:
+        return q, k, v, g, beta, None
+    packed = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+    return (*packed, varlen_cu(B * T, nseq))
+
+
 def lib_versions():
     out = {"torch": torch.__version__}
     for mod in ("triton", "tilelang", "fla", "flash_qla"):
@@ -136,16 +147,16 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
     def grads_inputs():
         return [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta)]
 
-    if lib in ("ours", "ours_cp"):
+    if lib in ("ours", "ours_nosplit"):
         from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
         from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
 
-        intra = "auto" if lib == "ours_cp" else "off"
+        intra = "auto" if lib == "ours" else "off"
 
         def fwd():
-            if lib == "ours":
+            if ours_cfg:  # a tuned fused-kernel tile (--ours-tune): the kernels called directly
                 return tilelang_chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu32,
-                                                           fused_config=ours_cfg)[:2]
+                                                           fused_config=ours_cfg, partitions=intra)[:2]
             with torch.no_grad():
                 return ours_op(q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu32,
                                backend="tilelang", intra_cp=intra)
@@ -264,13 +275,8 @@ def main():
     rows = []
     for sname in shapes:
         B, T, H, HV, K, V, nseq = SHAPES[sname]
-        cu = varlen_cu(B * T, nseq) if nseq else None
-        q, k, v, g, beta = make_inputs(B, T, H, HV, K, V)
-        if cu is not None:
-            q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
-            Bx = 1
-        else:
-            Bx = B
+        q, k, v, g, beta, cu = shape_inputs(sname)
+        Bx = 1 if cu is not None else B
         scale = K**-0.5
         fl_f = flop_count(Bx, B * T // Bx, H, HV, K, V, cu)
         by_f = byte_count(Bx, B * T // Bx, H, HV, K, V, cu)

@@ -48,9 +48,17 @@ def chunk_gated_delta_rule_fwd(
     cu_seqlens=None,
     state_v_first=False,
     backend="auto",
+    intra_cp="off",
+    cu_seqlens_cpu=None,
 ):
-    """Forward only (no autograd graph). Returns (o, final_state or None, ctx)."""
+    """Forward only (no autograd graph). Returns (o, final_state or None, ctx).
+
+    intra_cp ('off', 'auto' or an int P) cuts long sequences into partitions inside the
+    TileLang kernels (`kernels/tilelang_split.py`); the torch backend ignores it here.
+    """
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first)
+    if not is_intra_option(intra_cp):
+        raise ValueError(f"chunk_gated_delta_rule: intra_cp must be 'auto', 'off' or a positive int, got {intra_cp!r}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     chosen = choose_backend(backend, q, v)
@@ -61,7 +69,8 @@ def chunk_gated_delta_rule_fwd(
             from .kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
 
             o, final_state, ctx.kernel_saved = tilelang_chunk_gated_delta_rule_fwd(
-                qn, kn, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first=state_v_first
+                qn, kn, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first=state_v_first,
+                partitions=None if intra_cp == "off" else intra_cp, cu_seqlens_host=cu_seqlens_cpu,
             )
         else:
             o, final_state = chunk_gated_delta_rule_torch(
@@ -161,7 +170,7 @@ def chunk_gated_delta_rule(
     cu_seqlens_cpu: torch.Tensor | None = None,
     backend: str = "auto",
     cp_context=None,
-    intra_cp="off",
+    intra_cp="auto",
 ):
     """Chunked Gated DeltaNet, differentiable. Signature compatible with FLA / FlashQLA.
 
@@ -178,11 +187,11 @@ def chunk_gated_delta_rule(
         cp_context: a `flash_qla_cp.parallel.CPContext`; then q, k, v, g, beta are this rank's
             slice of the packed global batch and the call runs context-parallel (see
             docs/context_parallel.md). None: the single-device op, unchanged.
-        intra_cp: intra-card CP on one device (ignored when cp_context is given). 'off' (default);
-            'auto': on the TileLang backend a cost model splits long sequences into partitions
-            run side by side (torch backend: no split); or an int, partitions per sequence on any
-            backend. Opt-in: its host-side scan is still slower than it saves (H200: 1x32k
-            TP8 fwd 11.9 ms split vs 1.48 ms whole; benchmarks/results).
+        intra_cp: intra-card CP on one device (ignored when cp_context is given). 'auto'
+            (default): on the TileLang backend long sequences on few heads are cut into partitions
+            run side by side inside the kernels, with an exact GPU-side state scan
+            (kernels/tilelang_split.py; torch backend: no split); 'off'; or an int P, partitions
+            per sequence (TileLang: inside the kernels; torch: the parallel.intra engine).
 
     Returns:
         (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 or None)
@@ -198,7 +207,7 @@ def chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             cu_seqlens, state_v_first, backend, cp_context=cp_context,
         )
-    if intra_cp != "off":
+    if intra_cp != "off" and choose_backend(backend, q, v) != "tilelang":
         split = _intra_card_call(q, k, v, g, beta, scale, initial_state, output_final_state,
                                  use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, backend, intra_cp)
         if split is not None:
@@ -210,17 +219,20 @@ def chunk_gated_delta_rule(
         cu_seqlens=cu_seqlens,
         state_v_first=state_v_first,
         backend=backend,
+        intra_cp=intra_cp,
+        cu_seqlens_cpu=cu_seqlens_cpu,
     )
     return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, options)
 
 
 def _intra_card_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                      cu_seqlens, state_v_first, backend, intra_cp):
-    """Run through the intra-card CP engine, or return None when the plain op should run."""
+    """Split on the torch backend through the parallel.intra engine, or return None when the
+    plain op should run (the TileLang backend splits inside its kernels instead)."""
     if not is_intra_option(intra_cp):
         raise ValueError(f"chunk_gated_delta_rule: intra_cp must be 'auto', 'off' or a positive int, got {intra_cp!r}")
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first)
-    if intra_cp == "auto" and choose_backend(backend, q, v) != "tilelang":
+    if intra_cp == "auto":
         return None
     from .parallel.context import CPContext
     from .parallel.dual import cp_chunk_gated_delta_rule

@@ -49,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--v-heads", type=int, default=None, help="GDN value heads (GVA); default --heads")
     p.add_argument("--head-dim", type=int, default=None, help="GDN head dim; default hidden // heads")
     p.add_argument("--attn-every", type=int, default=0, help="every k-th block is softmax attention (0: none)")
-    p.add_argument("--cp-intra", default="off",
+    p.add_argument("--cp-intra", default=None,
                    help="intra-card CP split inside each rank: off | auto | N partitions (CPContext.build(intra=); "
-                        "with --cp 1 the op's intra_cp; 'auto' splits only on the TileLang backend)")
+                        "with --cp 1 the op's intra_cp). Default: auto on CUDA (split inside the TileLang "
+                        "kernels when few heads leave SMs idle), off on CPU")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=1.0,
                    help="cosine decay to lr * ratio over --decay-steps (1.0: constant after warm-up)")
@@ -139,7 +140,9 @@ class Dist:
 
 
 def parse_intra(text: str):
-    """--cp-intra: 'auto' / 'off' stay strings, a number becomes the partition count."""
+    """--cp-intra: 'auto' / 'off' stay strings, a number becomes the partition count (None: off)."""
+    if text is None:
+        return "off"
     return text if text in ("auto", "off") else int(text)
 
 
@@ -277,6 +280,8 @@ def main(argv=None) -> list[float]:
     """Run training; returns the per-step global losses (on every rank)."""
     args = build_parser().parse_args(argv)
     d = Dist(args.cp, args.device)
+    if args.cp_intra is None:
+        args.cp_intra = "auto" if d.device.type == "cuda" else "off"
     threads = torch.get_num_threads()
     try:
         return _train(args, d)

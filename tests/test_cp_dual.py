@@ -32,3 +32,22 @@ def test_dual_cp_matches_single_process(world):
             tol = case.get("tol", 1e-5 if case.get("dtype") == torch.float32 else 1e-10)
             bad = {k: v for k, v in errs.items() if not v < tol}
             assert not bad, f"world={world} rank={rank} case={case}: {bad}"
+
+
+def test_local_engine_splits_inside_the_kernels_on_tilelang(monkeypatch):
+    """Under CP the TileLang backend gets the split as the op's intra_cp (exact, in-kernel);
+    the torch backend keeps the parallel.intra engine around the op."""
+    from flash_qla_cp.parallel import CPContext, dual
+    from flash_qla_cp.parallel.inter import OpEngine
+    from flash_qla_cp.parallel.intra import IntraEngine
+
+    cu = torch.tensor([0, 512])
+    q, v = torch.zeros(1, 512, 2, 16), torch.zeros(1, 512, 4, 16)
+    cp = CPContext.single(cu, intra=4)
+    eng = dual.local_engine(cp, "auto", q, v)
+    assert isinstance(eng, IntraEngine) and isinstance(eng.base, OpEngine)
+    monkeypatch.setattr(dual, "choose_backend", lambda backend, q, v: "tilelang")
+    eng = dual.local_engine(cp, "auto", q, v)
+    assert isinstance(eng, OpEngine) and eng.intra_cp == 4
+    off = dual.local_engine(CPContext.single(cu, intra="off"), "auto", q, v)
+    assert isinstance(off, OpEngine) and off.intra_cp == "off"

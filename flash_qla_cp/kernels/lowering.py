@@ -93,7 +93,27 @@ def _forward_cases() -> list[KernelCase]:
     return cases
 
 
+def _split_cases() -> list[KernelCase]:
+    from .tilelang_split import split_kernel_specs
+
+    cases = []
+    for dim in (128, 64):
+        for factory, params in split_kernel_specs(2, 4, dim, dim, "bfloat16"):
+            is_scan = "reverse" in params
+            tag = ("scan_reverse" if params["reverse"] else "scan") if is_scan else "summary"
+            cases.append(
+                KernelCase(
+                    name=f"split_{tag}_k{dim}",
+                    factory=factory,
+                    params=params,
+                    entry="gdn_partition_scan" if is_scan else "gdn_state_summary",
+                    expect=("mma",) if is_scan else ("wgmma",),
+                )
+            )
+    return cases
+
+
 def kernel_registry() -> list[KernelCase]:
-    """The forward kernel factories with representative parameters (the backward kernels are
-    lowered by tests/test_kernels_lower_bwd.py)."""
-    return _forward_cases()
+    """The forward and intra-card split kernel factories with representative parameters (the
+    backward kernels are lowered by tests/test_kernels_lower_bwd.py)."""
+    return _forward_cases() + _split_cases()

@@ -11,7 +11,10 @@ Input from the forward (`saved`, optional): `g_cumsum` [B,T,HV] fp32 (chunk-loca
 and `Ag` [B,T,HV,64] (Ag = Tm diag(beta), Tm = (I + A)^-1). When `saved` lacks them the
 backward runs the forward's prepare kernel (`tilelang_fwd.prepare_fwd`) itself.
 Dense inputs [B,T] are handled as packed sequences (cu_seqlens = 0, T, 2T, ...), so every
-kernel below takes cu_seqlens and a chunk table; nothing else differs.
+kernel below takes cu_seqlens and a chunk table; nothing else differs. After a split forward
+(`saved["split"]`) the partitions are those sequences: the h walk starts from the scanned
+states S_in, the dh walk runs once with zero exit gradients, a reverse partition scan with M^T
+turns its dh0 into each partition's exit gradient, and the dh walk runs again with those.
 
 Per chunk (length L <= 64; padding rows carry q = k = v = beta = 0 and repeat G[L-1]),
 with S the state entering the chunk, dS' the gradient of the state leaving it,
@@ -672,6 +675,25 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         gcum, ag, ctab = prepare_fwd(kf, flat(g.float(), HV), b32, cu_seqlens=cu)
     gcum = gcum.float().contiguous()
     ag = ag.contiguous()
+
+    sdims = (HV, K, V)
+    user_h0 = initial_state is not None
+    use_dht = dht is not None
+
+    def k_first(state):
+        state = state.float()
+        return (state.transpose(-1, -2) if state_v_first else state).contiguous()
+
+    h0 = k_first(initial_state) if user_h0 else torch.zeros(1, *sdims, dtype=torch.float32, device=dev)
+    dhtf = k_first(dht) if use_dht else torch.zeros(1, *sdims, dtype=torch.float32, device=dev)
+
+    # Intra-card split (saved by the split forward): the partitions are the sequences of every
+    # kernel below, entered with the forward's scanned states; their exit-state gradients come
+    # from a reverse scan over dS_local (the dh walk run once with zero exit gradients).
+    split = saved.get("split") if isinstance(saved, dict) else None
+    if split is not None:
+        cu, ctab = split["part_cu"], split["part_chunk_table"]
+        N = cu.shape[0] - 1
     if ctab is None:
         ctab = chunk_table(cu)
     lens = (cu[1:] - cu[:-1]).to(torch.int64)
@@ -680,21 +702,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     chunk_offsets[1:] = torch.cumsum(n_chunks, 0).to(torch.int32)
     NC = int(ctab.shape[0])
 
-    sdims = (HV, K, V)
-    use_h0 = initial_state is not None
-    use_dht = dht is not None
-    if use_h0:
-        h0 = initial_state.float()
-        h0 = (h0.transpose(-1, -2) if state_v_first else h0).contiguous()
-    else:
-        h0 = torch.zeros(1, *sdims, dtype=torch.float32, device=dev)
-    if use_dht:
-        dhtf = dht.float()
-        dhtf = (dhtf.transpose(-1, -2) if state_v_first else dhtf).contiguous()
-    else:
-        dhtf = torch.zeros(1, *sdims, dtype=torch.float32, device=dev)
-
-    specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht, block_v)
+    use_h0 = user_h0 or split is not None
+    specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht or split is not None, block_v)
     k_h, k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs)
 
     h_st = _empty(NC, *sdims, dtype=dt, device=dev)
@@ -709,8 +718,21 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     db = _empty(1, Ttot, HV, dtype=torch.float32, device=dev)
 
     if NC > 0:
-        k_h(kf, vf, ag, gcum, cu, chunk_offsets, h0, h_st, vres)
-        k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, dhtf, dh_st, dvn, dv, dh0)
+        if split is not None:
+            from .tilelang_split import scan_partitions
+
+            k_h(kf, vf, ag, gcum, cu, chunk_offsets, split["S_in"], h_st, vres)
+            no_exit_grad = torch.zeros(N, *sdims, dtype=torch.float32, device=dev)
+            k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, no_exit_grad, dh_st, dvn, dv, dh0)
+            seq_exit_grad = dhtf if use_dht else torch.zeros(len(split["first_parts"]), *sdims,
+                                                             dtype=torch.float32, device=dev)
+            exit_grad = scan_partitions(split["M"].transpose(-1, -2), dh0, split["seq_parts"], seq_exit_grad,
+                                        reverse=True)
+            k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, exit_grad, dh_st, dvn, dv, dh0)
+            dh0 = dh0.index_select(0, split["first_parts"]) if user_h0 else dh0
+        else:
+            k_h(kf, vf, ag, gcum, cu, chunk_offsets, h0, h_st, vres)
+            k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, dhtf, dh_st, dvn, dv, dh0)
         k_grad(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq, dk, dg, db)
     else:
         for t in (dq, dk, dv, dg, db):
@@ -723,7 +745,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     dv = dv.reshape(B, Tn, HV, V)
     dg = dg.to(g.dtype).reshape(B, Tn, HV)
     db = db.to(beta.dtype).reshape(B, Tn, HV)
-    if use_h0:
+    if user_h0:
         dh0 = (dh0.transpose(-1, -2) if state_v_first else dh0).contiguous()
     else:
         dh0 = None

@@ -24,6 +24,9 @@ dict (all tensors contiguous, token-major like the inputs):
     saved["chunk_table"]: [NC, 2] int32  (sequence, chunk-in-sequence) per chunk, varlen only
     saved["cu_seqlens"] : int32 cu_seqlens or None
     saved["scale"], saved["state_v_first"] : python values
+    saved["split"]    : only when sequences were cut into partitions (`tilelang_split`):
+                        part_cu, part_chunk_table, seq_parts, first_parts, S_in (state entering
+                        each partition, fp32 [NP, HV, K, V]) and M (transition of each partition)
 
 The chunk states h (state before each chunk) are not stored by the forward; the backward
 recomputes them (one pass of the fused kernel with `store_h`, or its own kernel).
@@ -507,6 +510,8 @@ def tilelang_chunk_gated_delta_rule_fwd(
     state_v_first: bool = False,
     block_v=None,
     fused_config=None,
+    partitions=None,
+    cu_seqlens_host=None,
 ):
     """Chunked GDN forward on Hopper through TileLang.
 
@@ -515,6 +520,9 @@ def tilelang_chunk_gated_delta_rule_fwd(
     Returns (o [B,T,HV,V] in q.dtype, final_state fp32 or None, saved) — see the module SPEC
     for the contents of `saved`. `block_v` / `fused_config` (dict of build_fused_fwd_kernel
     options: block_v, threads, num_stages, async_mma, o_store_smem) override the default tiles.
+    `partitions` ('auto', an int P, or None / 'off'): cut long sequences into partitions run
+    side by side (`tilelang_split`); `cu_seqlens_host` (list or CPU tensor) spares reading
+    cu_seqlens back from the GPU when splitting.
     """
     B, Tn, H, K, HV, V = _check_inputs(q, k, v, g, beta, cu_seqlens)
     if scale is None:
@@ -524,7 +532,23 @@ def tilelang_chunk_gated_delta_rule_fwd(
     cu = cu_seqlens.to(torch.int32).contiguous() if varlen else None
     N = (cu.shape[0] - 1) if varlen else B
 
-    g_cum, ag, chunk_tab = prepare_fwd(k, g, beta, cu_seqlens=cu)
+    seq_tab = None
+    if partitions not in (None, "off", 1) and Tn > 0 and N > 0:
+        from .tilelang_split import plan_split
+
+        if varlen:  # the one read-back of cu_seqlens (none when the caller passes a CPU copy)
+            cu_host = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.cpu()
+            cu_host = cu_host.tolist() if torch.is_tensor(cu_host) else cu_host
+        else:
+            cu_host = [b * Tn for b in range(B + 1)]
+        plan = plan_split(cu_host, HV, V, partitions, _sm_count(q.device))
+        if varlen:
+            seq_tab = plan.device_tensors(q.device)["seq_chunk_table"]
+        if not plan.is_trivial:
+            return _split_forward(q, k, v, g, beta, float(scale), initial_state, output_final_state, cu, seq_tab,
+                                  state_v_first, plan, fused_config)
+
+    g_cum, ag, chunk_tab = prepare_fwd(k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
 
     cfg = dict(fused_config or {})
     if block_v is not None:
@@ -561,3 +585,60 @@ def tilelang_chunk_gated_delta_rule_fwd(
         "state_v_first": bool(state_v_first),
     }
     return o, (ht if output_final_state else None), saved
+
+
+def _split_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu, seq_tab, state_v_first, plan,
+                   fused_config):
+    """The forward with sequences cut into partitions (see `tilelang_split`): prepare as usual,
+    (h, M) per partition, GPU scan for each partition's incoming state, then the fused kernel
+    over the partitions. Same outputs and `saved` as the plain path, plus saved["split"]."""
+    from .tilelang_split import scan_partitions, state_summaries
+
+    B, Tn, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = q.device
+    N = len(plan.seq_parts) - 1
+    g_cum, ag, _ = prepare_fwd(k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
+    packed = [x.reshape(1, B * Tn, *x.shape[2:]) for x in (q, k, v, ag, g_cum)]
+    qf, kf, vf, agf, gf = packed
+
+    idx = plan.device_tensors(dev)
+    part_cu, seq_parts = idx["part_cu"], idx["seq_parts"]
+    h_part, m_part = state_summaries(kf, vf, agf, gf, plan)
+    if initial_state is not None:
+        h0 = initial_state.float()
+        h0 = (h0.transpose(-1, -2) if state_v_first else h0).contiguous()
+        assert tuple(h0.shape) == (N, HV, K, V), f"initial_state must hold {N} states"
+    else:
+        h0 = torch.zeros(N, HV, K, V, dtype=torch.float32, device=dev)
+    s_in = scan_partitions(m_part, h_part, seq_parts, h0, reverse=False)
+
+    cfg = dict(fused_config or {})
+    if "block_v" not in cfg:
+        cfg.update(default_fused_config(plan.num_parts, HV, V, _sm_count(dev), K=K))
+    factory, params = fwd_kernel_specs(H, HV, K, V, q.dtype, scale, True, True, output_final_state, False, **cfg)[1]
+    kern = compile_kernel(factory, **params)
+    o = torch.empty(1, B * Tn, HV, V, dtype=q.dtype, device=dev)
+    ht = torch.empty(plan.num_parts if output_final_state else 1, HV, K, V, dtype=torch.float32, device=dev)
+    kern(qf, kf, vf, agf, gf, part_cu, s_in, o, ht)
+    final = None
+    if output_final_state:
+        final = ht.index_select(0, idx["last_parts"])
+        final = (final.transpose(-1, -2) if state_v_first else final).contiguous()
+    saved = {
+        "g_cumsum": g_cum,
+        "Ag": ag,
+        "chunk_table": seq_tab,
+        "cu_seqlens": cu,
+        "scale": float(scale),
+        "state_v_first": bool(state_v_first),
+        "split": {
+            "part_cu": part_cu,
+            "part_chunk_table": idx["part_chunk_table"],
+            "seq_parts": seq_parts,
+            "first_parts": idx["first_parts"],
+            "S_in": s_in,
+            "M": m_part,
+        },
+    }
+    return o.reshape(B, Tn, HV, V), final, saved

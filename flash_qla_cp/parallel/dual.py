@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import torch
 
+from ..backends import choose_backend
 from ..kernels.shapes import l2norm
 from .context import CPContext, CPError
 from .inter import InterCP, OpEngine
 from .intra import IntraEngine
 
 
-def local_engine(cp: CPContext, backend="auto"):
-    base = OpEngine(backend)
+def local_engine(cp: CPContext, backend, q, v):
+    """The per-rank engine: on the TileLang backend the intra-card split runs inside the kernels
+    (exact, GPU-side scan); elsewhere the parallel.intra engine splits around the op."""
     if cp.intra == "off":
-        return base
-    return IntraEngine(base, force=cp.intra, exact=cp.intra_exact, threshold=cp.intra_threshold,
+        return OpEngine(backend)
+    if choose_backend(backend, q, v) == "tilelang":
+        return OpEngine(backend, intra_cp=cp.intra)
+    return IntraEngine(OpEngine(backend), force=cp.intra, exact=cp.intra_exact, threshold=cp.intra_threshold,
                        window=cp.intra_window)
 
 
@@ -50,7 +54,7 @@ def cp_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, 
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     h0 = initial_state.transpose(-1, -2) if (state_v_first and initial_state is not None) else initial_state
-    o, final = InterCP.apply(q, k, v, g, beta, h0, cp, local_engine(cp, backend), scale, output_final_state)
+    o, final = InterCP.apply(q, k, v, g, beta, h0, cp, local_engine(cp, backend, q, v), scale, output_final_state)
     if final is not None and state_v_first:
         final = final.transpose(-1, -2)
     return o, final

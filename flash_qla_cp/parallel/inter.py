@@ -28,12 +28,13 @@ from .transition import segment_transitions
 class OpEngine:
     """Local compute = the library op on one rank's segments (torch on CPU, TileLang on Hopper)."""
 
-    def __init__(self, backend="auto"):
-        self.backend = backend
+    def __init__(self, backend="auto", intra_cp="off"):
+        self.backend, self.intra_cp = backend, intra_cp
 
     def fwd(self, q, k, v, g, beta, scale, h0, cu_seqlens):
         return ops.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
-                                              output_final_state=True, cu_seqlens=cu_seqlens, backend=self.backend)
+                                              output_final_state=True, cu_seqlens=cu_seqlens, backend=self.backend,
+                                              intra_cp=self.intra_cp)
 
     def bwd(self, do, dht, ctx):
         return ops.chunk_gated_delta_rule_bwd(do, dht, ctx)

@@ -5,7 +5,8 @@
 #   run(command="bash tests/gpu/device_session.sh check_fwd check_cp bench", carry=[".device"])
 #   then, here: cp <files_at>/tlcache.tar.xz .device/   (next call compiles nothing it has seen)
 #
-# Phases: check_fwd check_bwd check_cp bench long_seq. SHAPES / LIBS narrow the benchmark;
+# Phases: check_fwd check_bwd check_split check_cp bench tune_split profile long_seq. SHAPES / LIBS narrow the
+# benchmark (SHAPES / PARTS the split sweep);
 # SEQ_LENS the long-sequence ladder (with activation checkpointing).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,6 +22,11 @@ for phase in "$@"; do
   case $phase in
     check_fwd) timeout 300 python tests/gpu/check_fwd.py --quick --out "$OUT/check_fwd" 2>&1 | grep -v TileLang | tail -20 ;;
     check_bwd) timeout 400 python tests/gpu/check_bwd.py --quick --no-bench --out "$OUT/check_bwd" 2>&1 | grep -v TileLang | tail -20 ;;
+    check_split) timeout "${CHECK_TIMEOUT:-400}" python tests/gpu/check_split.py 2>&1 | grep -v TileLang | tee "$OUT/check_split.log" | cut -c1-700 ;;
+    tune_split) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/tune_split.py --out "$OUT/tune_split" \
+                  ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} 2>&1 | grep '^{' | cut -c1-300 ;;
+    profile) timeout 240 python benchmarks/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
+               ${INTRA:+--intra "$INTRA"} 2>&1 | grep '^{' | cut -c1-1500 ;;
     check_cp) timeout 200 python tests/gpu/check_cp.py intra 2>&1 | grep -v TileLang | tee "$OUT/check_cp.log" | cut -c1-600 ;;
     bench) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_kernels.py --out "$OUT/bench" \
              ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-300 ;;

@@ -1,0 +1,75 @@
+"""Sweep the intra-card split (partitions per sequence) of the TileLang kernels on one GPU.
+
+For each shape and P in --parts: forward time (kernels called directly) and forward+backward
+time (the public op, TileLang backward), do_bench medians. P = 1 is the unsplit path; 'auto'
+is what `kernels/tilelang_split.auto_partitions` picks. Writes tune_split.json under --out.
+
+    FLASH_QLA_CP_TILELANG_BWD=1 python benchmarks/tune_split.py --shapes tp8_1x32k --parts 1,4,16,auto
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_kernels import shape_inputs  # noqa: E402
+
+from flash_qla_cp import chunk_gated_delta_rule  # noqa: E402
+from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="tp8_1x32k,tp8_1x128k,tp1_1x8k,tp1_1x32k")
+    ap.add_argument("--parts", default="1,2,4,8,16,32,auto")
+    ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--rep", type=int, default=60)
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    import triton.testing
+
+    assert os.environ.get("FLASH_QLA_CP_TILELANG_BWD") == "1" or args.no_bwd, "set FLASH_QLA_CP_TILELANG_BWD=1"
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    meta = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "timing": "triton.testing.do_bench median"}
+    for sname in args.shapes.split(","):
+        q, k, v, g, beta, cu = shape_inputs(sname)
+        cu = None if cu is None else cu.to("cuda", torch.int32)
+        do = torch.randn_like(v)
+        ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+        for p in args.parts.split(","):
+            parts = p if p == "auto" else int(p)
+            row = {"shape": sname, "parts": p}
+            try:
+                def fwd():
+                    return tilelang_chunk_gated_delta_rule_fwd(q, k, v, g, beta, None, None, True, cu,
+                                                               partitions=parts)
+
+                saved = fwd()[2]
+                row["parts_used"] = (len(saved["split"]["part_cu"]) - 1) if "split" in saved else 1
+                row["fwd_ms"] = triton.testing.do_bench(fwd, rep=args.rep, return_mode="median")
+                if not args.no_bwd:
+                    def fwdbwd():
+                        o, _ = chunk_gated_delta_rule(*ins, cu_seqlens=cu, backend="tilelang", intra_cp=parts)
+                        o.backward(do)
+
+                    row["fwdbwd_ms"] = triton.testing.do_bench(fwdbwd, rep=args.rep, return_mode="median")
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = repr(exc)[:400]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            with open(os.path.join(args.out, "tune_split.json"), "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        del q, k, v, g, beta, ins
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""Intra-card sequence split inside the TileLang kernels (exact, no host round trips).
+
+One long sequence on few heads leaves most SMs idle: every CTA walks all chunks of its
+sequence in order. Here each sequence is cut at chunk boundaries into P partitions that run
+side by side as if they were separate sequences:
+
+1. `build_state_summary_kernel`: per partition, the affine map of its chunks,
+   S_out = M S_in + h, from a zero start. h is the recurrence on v; M is the same recurrence
+   run on the identity with zero input (columns of [h | M] are independent, so the grid
+   covers V + K columns in blocks). No q and no output: three GEMMs per chunk.
+2. `build_partition_scan_kernel`: per sequence, S_in(p + 1) = M_p S_in(p) + h_p on the GPU
+   (fp32 state, tf32 products), P - 1 steps. The backward runs the same kernel in reverse
+   with M^T: dS_out(p - 1) = M_p^T dS_out(p) + dS_local(p).
+3. The ordinary fused forward kernel then runs every partition from its true incoming state.
+
+The partitions reuse G and Ag of the prepare kernel unchanged (cuts fall on chunk
+boundaries, so the chunk-local quantities are the same). The backward kernels take the
+partitions as sequences too; see `tilelang_bwd_impl.py` ("split" in `saved`).
+"""
+
+# (no `from __future__ import annotations`: TileLang evaluates the kernel signatures)
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from .tilelang_common import CHUNK, compile_kernel, import_tilelang, tl_dtype
+
+LOG2E = 1.4426950408889634
+MIN_CHUNKS_PER_PART = 16  # shorter partitions spend more on the summary pass than they save
+MAX_PARTS = 64
+
+__all__ = [
+    "SplitPlan",
+    "host_chunk_table",
+    "plan_split",
+    "auto_partitions",
+    "build_state_summary_kernel",
+    "build_partition_scan_kernel",
+    "state_summaries",
+    "scan_partitions",
+]
+
+
+# ----------------------------------------------------------------------------------------
+# Host-side plan
+# ----------------------------------------------------------------------------------------
+def auto_partitions(n_chunks: int, num_seqs: int, HV: int, V: int, sms: int) -> int:
+    """Partitions for a sequence of `n_chunks` chunks (a power of two; 1 means no split).
+
+    The split triples the recurrent work (summary over V + K columns, then the real pass), so
+    it pays only when the unsplit grid (sequences x v-heads x V/64 tiles) is small: at most
+    SMs / 8 CTAs (measured: a clear gain at 8 CTAs, a loss at 64; 16-32 are unmeasured, so
+    they stay whole); then P grows until the grid reaches about 2 x SMs, keeping at least
+    MIN_CHUNKS_PER_PART chunks per partition. H200 sweep (benchmarks/results/
+    tune_split_h200_2026-12-03.json), bf16 K=V=128: 4 v-heads x 1x32k fwd+bwd 7.04 ms at
+    P=1, 2.40-2.52 ms at P=16-32; 32 v-heads x 1x8k: 2.80 ms at P=1, 3.9-4.6 ms split."""
+    ctas = max(1, num_seqs * HV * max(1, V // 64))
+    if 8 * ctas > sms:
+        return 1
+    parts = 1
+    while parts < MAX_PARTS and ctas * 2 * parts <= 2 * sms and n_chunks // (2 * parts) >= MIN_CHUNKS_PER_PART:
+        parts *= 2
+    return parts
+
+
+@dataclass
+class SplitPlan:
+    """Partitions of every sequence (host lists) and their device copies."""
+
+    part_cu: list  # token offsets of the partitions, [NP + 1]
+    seq_parts: list  # partitions of sequence n are seq_parts[n] .. seq_parts[n + 1] - 1
+    split_parts: list  # partitions of sequences cut into >= 2 (they need a summary)
+    seq_cu: list = field(default_factory=list)  # the sequences' own offsets
+    _on_device: dict = field(default_factory=dict, repr=False)
+
+    def device_tensors(self, device) -> dict:
+        """Index tensors of the plan on `device`, built once per plan (plans are cached, so
+        repeated calls with the same cu_seqlens make no host-to-device copies)."""
+        key = str(device)
+        if key not in self._on_device:
+            i32 = dict(dtype=torch.int32)
+            self._on_device[key] = {
+                "part_cu": torch.tensor(self.part_cu, **i32).to(device),
+                "seq_parts": torch.tensor(self.seq_parts, **i32).to(device),
+                "todo": torch.tensor(self.split_parts, **i32).to(device),
+                "first_parts": torch.tensor(self.first_parts(), dtype=torch.int64).to(device),
+                "last_parts": torch.tensor(self.last_parts(), dtype=torch.int64).to(device),
+                "part_chunk_table": host_chunk_table(self.part_cu, device),
+                "seq_chunk_table": host_chunk_table(self.seq_cu, device),
+            }
+        return self._on_device[key]
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.part_cu) - 1
+
+    @property
+    def is_trivial(self) -> bool:
+        return not self.split_parts
+
+    def last_parts(self) -> list:
+        return [self.seq_parts[n + 1] - 1 for n in range(len(self.seq_parts) - 1)]
+
+    def first_parts(self) -> list:
+        return self.seq_parts[:-1]
+
+
+def host_chunk_table(offsets: list, device) -> torch.Tensor:
+    """[NC, 2] int32 (segment, chunk in segment) of packed segments given by host `offsets`;
+    the same table as `tilelang_common.chunk_table` without reading the offsets back from the GPU."""
+    counts = torch.tensor([-(-(b - a) // CHUNK) for a, b in zip(offsets, offsets[1:])], dtype=torch.int64)
+    seg = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[seg]
+    return torch.stack([seg, local], 1).to(torch.int32).to(device)
+
+
+def plan_split(cu_host, HV: int, V: int, parts="auto", sms: int = 132) -> SplitPlan:
+    """Cut each sequence of `cu_host` (host ints) at chunk boundaries into partitions.
+
+    parts: 'auto' (`auto_partitions` per sequence) or an int P (at most one per chunk).
+    Empty sequences keep one empty partition so that every sequence has a first and a last.
+    Plans are cached: a training loop with fixed shapes builds each one once.
+    """
+    return _plan_split(tuple(int(x) for x in cu_host), int(HV), int(V), parts, int(sms))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_split(cu_host: tuple, HV: int, V: int, parts, sms: int) -> SplitPlan:
+    lengths = [b - a for a, b in zip(cu_host, cu_host[1:])]
+    num_seqs = len(lengths)
+    part_cu, seq_parts, split_parts = [cu_host[0]], [0], []
+    for n, length in enumerate(lengths):
+        chunks = -(-length // CHUNK)
+        if parts == "auto":
+            P = auto_partitions(chunks, num_seqs, HV, V, sms)
+        else:
+            P = max(1, min(int(parts), chunks))
+        start = cu_host[n]
+        first = len(part_cu) - 1
+        for i in range(1, P + 1):
+            part_cu.append(start + min(length, (chunks * i // P) * CHUNK))
+        seq_parts.append(len(part_cu) - 1)
+        if P > 1:
+            split_parts += list(range(first, first + P))
+    return SplitPlan(part_cu, seq_parts, split_parts, list(cu_host))
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel 1: (h, M) of every partition
+# ----------------------------------------------------------------------------------------
+def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, block_c: int = 64,
+                               threads: int = 128, num_stages: int = 2):
+    """PrimFunc: grid ((V + K) / block_c, len(todo), HV). Column block c0 < V runs the
+    recurrence on v[:, c0:c0+block_c] from zero and writes h; c0 >= V runs it on zero input
+    from the identity's columns and writes M. Packed [1, T] inputs; partitions by part_cu.
+
+    Arguments: k [1,T,H,K], v [1,T,HV,V], ag [1,T,HV,64] dtype; gc [1,T,HV] fp32;
+    part_cu [NP+1] int32; todo [NT] int32 (partitions to summarise); h_out [NP,HV,K,V] fp32;
+    m_out [NP,HV,K,K] fp32.
+    """
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
+    dtype = tl_dtype(dtype)
+    grp = HV // H
+    BC = block_c
+    assert HV % H == 0 and V % BC == 0 and K % BC == 0 and BC % 16 == 0
+    NB = (V + K) // BC
+
+    Ttot = T.dynamic("num_tokens")
+    NP1 = T.dynamic("num_parts_plus_one")
+    NP = T.dynamic("num_parts")
+    NT = T.dynamic("num_todo")
+
+    @T.prim_func
+    def gdn_state_summary(
+        k: T.Tensor((1, Ttot, H, K), dtype),
+        v: T.Tensor((1, Ttot, HV, V), dtype),
+        ag: T.Tensor((1, Ttot, HV, C), dtype),
+        gc: T.Tensor((1, Ttot, HV), acc),
+        part_cu: T.Tensor((NP1,), "int32"),
+        todo: T.Tensor((NT,), "int32"),
+        h_out: T.Tensor((NP, HV, K, V), acc),
+        m_out: T.Tensor((NP, HV, K, K), acc),
+    ):
+        with T.Kernel(NB, NT, HV, threads=threads) as (bc, bt, bhv):
+            p = todo[bt]
+            t_start = part_cu[p]
+            seq_len = part_cu[p + 1] - t_start
+            bh = bhv // grp
+            c0 = bc * BC
+            v_col = T.min(c0, V - BC)  # M blocks read a (discarded) v tile too: one code path
+
+            k_s = T.alloc_shared((C, K), dtype)
+            v_s = T.alloc_shared((C, BC), dtype)
+            a_s = T.alloc_shared((C, C), dtype)
+            g_s = T.alloc_shared((C,), acc)
+            gl_s = T.alloc_shared((C,), acc)
+            h_s = T.alloc_shared((K, BC), dtype)
+            w_s = T.alloc_shared((C, BC), dtype)
+            vd_s = T.alloc_shared((C, BC), dtype)
+
+            s_f = T.alloc_fragment((K, BC), acc)
+            x_f = T.alloc_fragment((C, BC), acc)
+            vn_f = T.alloc_fragment((C, BC), acc)
+            glast = T.alloc_var(acc)
+
+            for i, j in T.Parallel(K, BC):
+                s_f[i, j] = T.if_then_else((c0 >= V) and (i == c0 - V + j), T.float32(1), T.float32(0))
+
+            for c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=num_stages):
+                t0 = t_start + c * C
+                L = T.min(seq_len - c * C, C)
+                # whole tiles, as in the fused forward: rows >= L are masked out of the update
+                T.copy(k[0, t0 : t0 + C, bh, :], k_s)
+                T.copy(v[0, t0 : t0 + C, bhv, v_col : v_col + BC], v_s)
+                T.copy(ag[0, t0 : t0 + C, bhv, :], a_s)
+                for i in T.Parallel(C):
+                    g_s[i] = gc[0, t0 + T.min(i, L - 1), bhv]
+                for i in T.Parallel(C):
+                    gl_s[i] = g_s[i]
+                T.copy(s_f, h_s)
+                T.gemm(k_s, h_s, x_f, clear_accum=True)
+                for i, j in T.Parallel(C, BC):
+                    w_s[i, j] = (T.if_then_else(c0 < V, T.cast(v_s[i, j], acc), T.float32(0))
+                                 - T.exp2(gl_s[i] * LOG2E) * x_f[i, j])
+                T.gemm(a_s, w_s, vn_f, clear_accum=True)
+                glast = gl_s[C - 1]
+                for i, j in T.Parallel(C, BC):
+                    vd_s[i, j] = T.if_then_else(i < L, vn_f[i, j] * T.exp2((glast - gl_s[i]) * LOG2E), T.float32(0))
+                for i, j in T.Parallel(K, BC):
+                    s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
+                T.gemm(k_s, vd_s, s_f, transpose_A=True)
+
+            if c0 < V:
+                T.copy(s_f, h_out[p, bhv, :, c0 : c0 + BC])
+            else:
+                T.copy(s_f, m_out[p, bhv, :, c0 - V : c0 - V + BC])
+
+    return gdn_state_summary
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel 2: the scan over partitions
+# ----------------------------------------------------------------------------------------
+def build_partition_scan_kernel(HV: int, K: int, V: int, reverse: bool, block_v: int = 32, threads: int = 128):
+    """PrimFunc: grid (V / block_v, N, HV). For the partitions of sequence n in order
+    (reverse: last to first) writes out[p] = S, then S = m[p] S + add[p] (not after the
+    final one). S starts from s0[n] (the initial state, or the final-state gradient).
+
+    Arguments: m [NP,HV,K,K] fp32 (M, or M^T for the reverse scan), add [NP,HV,K,V] fp32,
+    seq_parts [N+1] int32, s0 [N,HV,K,V] fp32, out [NP,HV,K,V] fp32.
+    """
+    _, T = import_tilelang()
+    acc = "float32"
+    BV = block_v
+    assert V % BV == 0 and BV % 16 == 0
+    NP = T.dynamic("num_parts")
+    N1 = T.dynamic("num_seqs_plus_one")
+    N0 = T.dynamic("n_s0")
+
+    @T.prim_func
+    def gdn_partition_scan(
+        m: T.Tensor((NP, HV, K, K), acc),
+        add: T.Tensor((NP, HV, K, V), acc),
+        seq_parts: T.Tensor((N1,), "int32"),
+        s0: T.Tensor((N0, HV, K, V), acc),
+        out: T.Tensor((NP, HV, K, V), acc),
+    ):
+        with T.Kernel(V // BV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+            v0 = bv * BV
+            p_first = seq_parts[n]
+            n_parts = seq_parts[n + 1] - p_first
+            m_s = T.alloc_shared((K, K), acc)
+            st_s = T.alloc_shared((BV, K), acc)  # S^T: the tf32 MMA wants both operands K-major
+            s_f = T.alloc_fragment((K, BV), acc)
+
+            T.copy(s0[n, bhv, :, v0 : v0 + BV], s_f)
+            for i in T.serial(n_parts):
+                p = (p_first + n_parts - 1 - i) if reverse else (p_first + i)
+                T.copy(s_f, out[p, bhv, :, v0 : v0 + BV])
+                if i < n_parts - 1:
+                    for r, c in T.Parallel(K, BV):
+                        st_s[c, r] = s_f[r, c]
+                    T.copy(m[p, bhv, :, :], m_s)
+                    T.copy(add[p, bhv, :, v0 : v0 + BV], s_f)
+                    T.gemm(m_s, st_s, s_f, transpose_B=True)
+
+    return gdn_partition_scan
+
+
+# ----------------------------------------------------------------------------------------
+# Python wrappers
+# ----------------------------------------------------------------------------------------
+def state_summaries(k, v, ag, gcum, plan: SplitPlan):
+    """(h [NP,HV,K,V], M [NP,HV,K,K]) fp32 of the partitions of split sequences (other rows
+    are left unset). Inputs packed [1, T, ...]."""
+    _, _, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    NP = plan.num_parts
+    h = torch.empty(NP, HV, K, V, dtype=torch.float32, device=k.device)
+    M = torch.empty(NP, HV, K, K, dtype=torch.float32, device=k.device)
+    if plan.split_parts:
+        dev = plan.device_tensors(k.device)
+        kern = compile_kernel(build_state_summary_kernel, H=H, HV=HV, K=K, V=V, dtype=tl_dtype(k.dtype))
+        kern(k, v, ag, gcum, dev["part_cu"], dev["todo"], h, M)
+    return h, M
+
+
+def scan_partitions(m, add, seq_parts_dev, s0, reverse: bool):
+    """Run the partition scan: [NP, HV, K, V] fp32 (state entering each partition, or with
+    reverse=True the gradient of the state leaving it)."""
+    NP, HV, K, _ = m.shape
+    V = add.shape[-1]
+    out = torch.empty(NP, HV, K, V, dtype=torch.float32, device=m.device)
+    kern = compile_kernel(build_partition_scan_kernel, HV=HV, K=K, V=V, reverse=bool(reverse),
+                          block_v=32 if V % 32 == 0 else V)
+    kern(m.contiguous(), add.contiguous(), seq_parts_dev, s0.contiguous(), out)
+    return out
+
+
+def split_kernel_specs(H, HV, K, V, dtype):
+    """[(factory, params)] of the split-only kernels (for `precompile` and the CI lowering)."""
+    dtype = tl_dtype(dtype)
+    bv = 32 if V % 32 == 0 else V
+    return [
+        (build_state_summary_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype)),
+        (build_partition_scan_kernel, dict(HV=HV, K=K, V=V, reverse=False, block_v=bv)),
+        (build_partition_scan_kernel, dict(HV=HV, K=K, V=V, reverse=True, block_v=bv)),
+    ]

@@ -1,0 +1,105 @@
+"""GPU check of the intra-card split inside the TileLang kernels (kernels/tilelang_split.py).
+
+For each case: the public op with backend='tilelang' and intra_cp = P or 'auto', forward and
+TileLang backward (FLASH_QLA_CP_TILELANG_BWD=1), against the float64 torch op and against the
+same kernels without the split. Free GPU memory is filled with NaN first and the backward's
+buffers start as NaN, so an element nobody writes fails the check; two runs must be bitwise
+equal. Prints one JSON line per case and exits non-zero on a failure.
+
+    FLASH_QLA_CP_TILELANG_BWD=1 python tests/gpu/check_split.py
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from flash_qla_cp import chunk_gated_delta_rule  # noqa: E402
+from flash_qla_cp.kernels import tilelang_bwd_impl  # noqa: E402
+from flash_qla_cp.testing import make_gdn_inputs, random_cu_seqlens, rel_err  # noqa: E402
+
+NAMES = ("q", "k", "v", "g", "beta")
+LIMITS = {"o": 5e-3, "final": 5e-3}  # gradients: 1e-2
+
+
+def poison(nbytes=1 << 30):
+    x = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del x
+
+
+def make_case(lengths, dense_batch, HV, H, D, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = make_gdn_inputs(seq_len=sum(lengths), num_heads=H, num_v_heads=HV, head_k_dim=D, head_v_dim=D,
+                        dtype=torch.float64, generator=gen)
+    n = len(lengths)
+    h0 = torch.randn(n, HV, D, D, generator=gen, dtype=torch.float64) * 0.1
+    do = torch.randn(1, sum(lengths), HV, D, generator=gen, dtype=torch.float64)
+    df = torch.randn(n, HV, D, D, generator=gen, dtype=torch.float64) * 0.1
+    cu = None if dense_batch else random_cu_seqlens(lengths)
+    if dense_batch:  # equal lengths as a [B, T] batch
+        T = lengths[0]
+        x = {k: t.reshape(n, T, *t.shape[2:]) for k, t in x.items()}
+        do = do.reshape(n, T, *do.shape[2:])
+    return x, h0, do, df, cu
+
+
+def run(case, dtype, backend, intra, state_v_first=False, with_h0=True):
+    """dtype float64: the reference, on the inputs rounded as the bf16 run sees them."""
+    x, h0, do, df, cu = case
+    if dtype == torch.float64:
+        xs = {n: (t.to(torch.bfloat16) if n in "qkv" else t.float()).double() for n, t in x.items()}
+    else:
+        xs = {n: (t.to(dtype) if n in "qkv" else t.float()) for n, t in x.items()}
+    xs = {n: t.cuda().requires_grad_(True) for n, t in xs.items()}
+    sd = torch.float64 if dtype == torch.float64 else torch.float32
+    h = h0.to("cuda", sd)
+    dfin = df
+    if state_v_first:
+        h, dfin = h.transpose(-1, -2).contiguous(), df.transpose(-1, -2)
+    h = h.requires_grad_(True) if with_h0 else None
+    poison()
+    o, f = chunk_gated_delta_rule(**xs, initial_state=h, output_final_state=True,
+                                  cu_seqlens=None if cu is None else cu.cuda(), backend=backend, intra_cp=intra,
+                                  state_v_first=state_v_first)
+    loss = (o.double() * do.cuda()).sum() + (f.double() * dfin.cuda()).sum()
+    loss.backward()
+    out = dict(o=o.detach(), final=f.detach(), **{"d" + n: xs[n].grad for n in NAMES})
+    if with_h0:
+        out["dh0"] = h.grad
+    return {k: v.float().cpu() for k, v in out.items()}
+
+
+def main():
+    assert os.environ.get("FLASH_QLA_CP_TILELANG_BWD") == "1", "set FLASH_QLA_CP_TILELANG_BWD=1"
+    tilelang_bwd_impl.POISON_BUFFERS = True
+    cases = [
+        # name, lengths, dense, HV, H, D, intra, state_v_first, with_h0
+        ("varlen_odd_p8", [16384, 1000, 3001], False, 4, 2, 128, 8, False, True),
+        ("varlen_auto", [20000, 77, 4096], False, 4, 2, 128, "auto", False, True),
+        ("dense_b2_p4_vfirst", [8192, 8192], True, 4, 2, 128, 4, True, True),
+        ("gva_d64_p16_noh0", [12345], False, 8, 2, 64, 16, False, False),
+    ]
+    failed = False
+    for seed, (name, lengths, dense, HV, H, D, intra, vfirst, with_h0) in enumerate(cases):
+        case = make_case(lengths, dense, HV, H, D, seed=seed)
+        ref = run(case, torch.float64, "torch", "off", vfirst, with_h0)
+        plain = run(case, torch.bfloat16, "tilelang", "off", vfirst, with_h0)
+        got = run(case, torch.bfloat16, "tilelang", intra, vfirst, with_h0)
+        again = run(case, torch.bfloat16, "tilelang", intra, vfirst, with_h0)
+        err = {k: rel_err(got[k], ref[k]) for k in ref}
+        err_plain = {k: rel_err(plain[k], ref[k]) for k in ref}
+        nan = [k for k in got if not torch.isfinite(got[k]).all()]
+        same = all(torch.equal(got[k], again[k]) for k in got)
+        ok = not nan and same and all(err[k] <= LIMITS.get(k, 1e-2) for k in err)
+        failed |= not ok
+        print(json.dumps({"case": name, "ok": ok, "nan": nan, "deterministic": same,
+                          "split_vs_f64": {k: round(v, 6) for k, v in err.items()},
+                          "plain_vs_f64": {k: round(v, 6) for k, v in err_plain.items()}}), flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
