@@ -56,3 +56,12 @@ def test_auto_splits_only_when_sms_would_idle():
 def test_trivial_plan_when_nothing_is_cut():
     assert plan_split([0, 100, 300], HV=32, V=128, parts="auto").is_trivial
     assert not plan_split([0, 64 * 64], HV=4, V=128, parts=4).is_trivial
+
+
+def test_unsplit_plan_gives_the_dense_batch_chunk_table():
+    """The TileLang backward takes a dense batch's chunk table from a cached one-partition plan."""
+    B, T = 3, 1000
+    plan = plan_split([b * T for b in range(B + 1)], HV=32, V=128, parts=1)
+    assert plan.is_trivial
+    want = chunk_table(torch.arange(B + 1, dtype=torch.int32) * T)
+    assert torch.equal(plan.device_tensors("cpu")["seq_chunk_table"], want)
