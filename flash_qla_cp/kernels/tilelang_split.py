@@ -151,14 +151,15 @@ def _plan_split(cu_host: tuple, HV: int, V: int, parts, sms: int) -> SplitPlan:
 # Kernel 1: (h, M) of every partition
 # ----------------------------------------------------------------------------------------
 def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, block_c: int = 64,
-                               threads: int = 128, num_stages: int = 2):
+                               threads: int = 128, num_stages: int = 2, drop_below: float = -30.0):
     """PrimFunc: grid ((V + K) / block_c, len(todo), HV). Column block c0 < V runs the
     recurrence on v[:, c0:c0+block_c] from zero and writes h; c0 >= V runs it on zero input
     from the identity's columns and writes M. Packed [1, T] inputs; partitions by part_cu.
 
     Arguments: k [1,T,H,K], v [1,T,HV,V], ag [1,T,HV,64] dtype; gc [1,T,HV] fp32;
     part_cu [NP+1] int32; todo [NT] int32 (partitions to summarise); h_out [NP,HV,K,V] fp32;
-    m_out [NP,HV,K,K] fp32.
+    m_out [NP,HV,K,K] fp32. A partition whose summed log decay is below `drop_below` (per
+    head) gets M = 0: its incoming state reaches its end damped by at least exp(drop_below).
     """
     _, T = import_tilelang()
     C = CHUNK
@@ -168,6 +169,7 @@ def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, bloc
     BC = block_c
     assert HV % H == 0 and V % BC == 0 and K % BC == 0 and BC % 16 == 0
     NB = (V + K) // BC
+    drop_below = float(drop_below)
 
     Ttot = T.dynamic("num_tokens")
     NP1 = T.dynamic("num_parts_plus_one")
@@ -207,10 +209,20 @@ def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, bloc
             vn_f = T.alloc_fragment((C, BC), acc)
             glast = T.alloc_var(acc)
 
+            n_chunks = T.ceildiv(seq_len, C)
+            # Gate shortcut for M: ||M|| <= exp(sum of g over the partition) (unit-norm k, beta in
+            # [0, 2]), so below drop_below M is dropped (set to 0) without walking the chunks.
+            decay = T.alloc_var(acc)
+            decay = T.float32(0)
+            if c0 >= V:
+                for c in T.serial(n_chunks):
+                    decay = decay + gc[0, t_start + T.min(c * C + C - 1, seq_len - 1), bhv]
+            dropped = (c0 >= V) and (decay < drop_below)
             for i, j in T.Parallel(K, BC):
-                s_f[i, j] = T.if_then_else((c0 >= V) and (i == c0 - V + j), T.float32(1), T.float32(0))
+                s_f[i, j] = T.if_then_else((c0 >= V) and (i == c0 - V + j) and (not dropped), T.float32(1),
+                                           T.float32(0))
 
-            for c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=num_stages):
+            for c in T.Pipelined(T.if_then_else(dropped, 0, n_chunks), num_stages=num_stages):
                 t0 = t_start + c * C
                 L = T.min(seq_len - c * C, C)
                 # whole tiles, as in the fused forward: rows >= L are masked out of the update
