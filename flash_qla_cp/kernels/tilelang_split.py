@@ -260,7 +260,7 @@ def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, bloc
 def build_partition_scan_kernel(HV: int, K: int, V: int, reverse: bool, block_v: int = 32, threads: int = 128):
     """PrimFunc: grid (V / block_v, N, HV). For the partitions of sequence n in order
     (reverse: last to first) writes out[p] = S, then S = m[p] S + add[p] (not after the
-    final one). S starts from s0[n] (the initial state, or the final-state gradient).
+    final one); the next step's m and add load while this step multiplies. S starts from s0[n] (the initial state, or the final-state gradient).
 
     Arguments: m [NP,HV,K,K] fp32 (M, or M^T for the reverse scan), add [NP,HV,K,V] fp32,
     seq_parts [N+1] int32, s0 [N,HV,K,V] fp32, out [NP,HV,K,V] fp32.
@@ -286,19 +286,22 @@ def build_partition_scan_kernel(HV: int, K: int, V: int, reverse: bool, block_v:
             p_first = seq_parts[n]
             n_parts = seq_parts[n + 1] - p_first
             m_s = T.alloc_shared((K, K), acc)
+            a_s = T.alloc_shared((K, BV), acc)
             st_s = T.alloc_shared((BV, K), acc)  # S^T: the tf32 MMA wants both operands K-major
             s_f = T.alloc_fragment((K, BV), acc)
 
             T.copy(s0[n, bhv, :, v0 : v0 + BV], s_f)
-            for i in T.serial(n_parts):
+            # every sequence has >= 1 partition; the loads of step i + 1 overlap step i's product
+            for i in T.Pipelined(n_parts - 1, num_stages=2):
                 p = (p_first + n_parts - 1 - i) if reverse else (p_first + i)
+                T.copy(m[p, bhv, :, :], m_s)
+                T.copy(add[p, bhv, :, v0 : v0 + BV], a_s)
                 T.copy(s_f, out[p, bhv, :, v0 : v0 + BV])
-                if i < n_parts - 1:
-                    for r, c in T.Parallel(K, BV):
-                        st_s[c, r] = s_f[r, c]
-                    T.copy(m[p, bhv, :, :], m_s)
-                    T.copy(add[p, bhv, :, v0 : v0 + BV], s_f)
-                    T.gemm(m_s, st_s, s_f, transpose_B=True)
+                for r, c in T.Parallel(K, BV):
+                    st_s[c, r] = s_f[r, c]
+                T.copy(a_s, s_f)
+                T.gemm(m_s, st_s, s_f, transpose_B=True)
+            T.copy(s_f, out[p_first if reverse else p_first + n_parts - 1, bhv, :, v0 : v0 + BV])
 
     return gdn_partition_scan
 
