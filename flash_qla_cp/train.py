@@ -139,20 +139,21 @@ class Dist:
 # ----------------------------------------------------------------------------- data slicing
 
 
-def parse_intra(text: str):
-    """--cp-intra: 'auto' / 'off' stay strings, a number becomes the partition count (None: off)."""
+def parse_intra(text, device_type: str = "cpu"):
+    """--cp-intra: 'auto' / 'off' stay strings, a number becomes the partition count; not given:
+    'auto' on CUDA (the TileLang kernels split where heads are few), 'off' on CPU."""
     if text is None:
-        return "off"
+        return "auto" if device_type == "cuda" else "off"
     return text if text in ("auto", "off") else int(text)
 
 
-def build_cp_context(row: PackedBatch, d: Dist, intra="off"):
+def build_cp_context(row: PackedBatch, d: Dist, intra=None):
     """The CPContext of this rank for the CP group's row (None when cp == 1)."""
     if d.cp == 1:
         return None
     from .parallel import CPContext
 
-    return CPContext.build(row.cu_seqlens, group=d.cp_group, intra=parse_intra(intra))
+    return CPContext.build(row.cu_seqlens, group=d.cp_group, intra=parse_intra(intra, d.device.type))
 
 
 def local_slice(row: PackedBatch, d: Dist, cp_context) -> tuple[int, int]:
@@ -164,12 +165,12 @@ def local_slice(row: PackedBatch, d: Dist, cp_context) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- model / optimizer
 
 
-def model_config(args) -> HybridLMConfig:
+def model_config(args, device_type: str = "cpu") -> HybridLMConfig:
     gdn_kwargs = {}
     if args.backend != "auto":
         gdn_kwargs["backend"] = args.backend
     if args.cp == 1:  # no CPContext then: the op's own intra-card switch
-        gdn_kwargs["intra_cp"] = parse_intra(args.cp_intra)
+        gdn_kwargs["intra_cp"] = parse_intra(args.cp_intra, device_type)
     return HybridLMConfig(
         vocab_size=ByteTokenizer.vocab_size,
         hidden_size=args.hidden,
@@ -280,8 +281,6 @@ def main(argv=None) -> list[float]:
     """Run training; returns the per-step global losses (on every rank)."""
     args = build_parser().parse_args(argv)
     d = Dist(args.cp, args.device)
-    if args.cp_intra is None:
-        args.cp_intra = "auto" if d.device.type == "cuda" else "off"
     threads = torch.get_num_threads()
     try:
         return _train(args, d)
@@ -306,7 +305,7 @@ def _train(args, d: Dist) -> list[float]:
     # identical initialisation on every rank (and broadcast from rank 0 to be sure)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    cfg = model_config(args)
+    cfg = model_config(args, d.device.type)
     model = HybridLM(cfg).to(d.device)
     model.checkpoint_blocks = args.checkpoint_blocks
     if d.distributed:

@@ -51,7 +51,7 @@ No atomics anywhere: the result is bitwise deterministic.
 
 import torch
 
-from .tilelang_common import CHUNK, chunk_table, compile_kernel, import_tilelang, tl_dtype
+from .tilelang_common import CHUNK, chunk_table, compile_kernel, import_tilelang, state_kv_layout, tl_dtype
 
 LOG2E = 1.4426950408889634
 
@@ -680,12 +680,9 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     user_h0 = initial_state is not None
     use_dht = dht is not None
 
-    def k_first(state):
-        state = state.float()
-        return (state.transpose(-1, -2) if state_v_first else state).contiguous()
-
-    h0 = k_first(initial_state) if user_h0 else torch.zeros(1, *sdims, dtype=torch.float32, device=dev)
-    dhtf = k_first(dht) if use_dht else torch.zeros(1, *sdims, dtype=torch.float32, device=dev)
+    h0 = state_kv_layout(initial_state, state_v_first) if user_h0 else torch.zeros(1, *sdims, dtype=torch.float32,
+                                                                                  device=dev)
+    dhtf = state_kv_layout(dht, state_v_first) if use_dht else torch.zeros(1, *sdims, dtype=torch.float32, device=dev)
 
     # Intra-card split (saved by the split forward): the partitions are the sequences of every
     # kernel below, entered with the forward's scanned states; their exit-state gradients come
@@ -752,10 +749,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     dv = dv.reshape(B, Tn, HV, V)
     dg = dg.to(g.dtype).reshape(B, Tn, HV)
     db = db.to(beta.dtype).reshape(B, Tn, HV)
-    if user_h0:
-        dh0 = (dh0.transpose(-1, -2) if state_v_first else dh0).contiguous()
-    else:
-        dh0 = None
+    dh0 = state_kv_layout(dh0, state_v_first) if user_h0 else None
     return dq, dk, dv, dg, db, dh0
 
 

@@ -102,6 +102,13 @@ def precompile(specs, num_workers: int = 8) -> int:
     return len(todo)
 
 
+def state_kv_layout(state: torch.Tensor, state_v_first: bool) -> torch.Tensor:
+    """fp32 contiguous state as [..., K, V] when the caller's layout is [..., V, K]
+    (state_v_first), else as given; the same swap turns a [..., K, V] result back."""
+    state = state.float()
+    return (state.transpose(-1, -2) if state_v_first else state).contiguous()
+
+
 def chunk_table(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """[NC, 2] int32 table of (sequence index, chunk index inside the sequence) for packed inputs.
 

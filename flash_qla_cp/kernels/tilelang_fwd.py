@@ -52,7 +52,7 @@ import math
 
 import torch
 
-from .tilelang_common import CHUNK, chunk_table, compile_kernel, import_tilelang, tl_dtype
+from .tilelang_common import CHUNK, chunk_table, compile_kernel, import_tilelang, state_kv_layout, tl_dtype
 
 LOG2E = 1.4426950408889634
 
@@ -532,7 +532,7 @@ def tilelang_chunk_gated_delta_rule_fwd(
     cu = cu_seqlens.to(torch.int32).contiguous() if varlen else None
     N = (cu.shape[0] - 1) if varlen else B
 
-    seq_tab = None
+    seq_tab, plan = None, None
     if partitions not in (None, "off", 1) and Tn > 0 and N > 0:
         from .tilelang_split import plan_split
 
@@ -544,17 +544,29 @@ def tilelang_chunk_gated_delta_rule_fwd(
         plan = plan_split(cu_host, HV, V, partitions, _sm_count(q.device))
         if varlen:
             seq_tab = plan.device_tensors(q.device)["seq_chunk_table"]
-        if not plan.is_trivial:
-            return _split_forward(q, k, v, g, beta, float(scale), initial_state, output_final_state, cu, seq_tab,
-                                  state_v_first, plan, fused_config)
+        if plan.is_trivial:
+            plan = None
 
     g_cum, ag, chunk_tab = prepare_fwd(k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
+    saved = {
+        "g_cumsum": g_cum,
+        "Ag": ag,
+        "chunk_table": chunk_tab,
+        "cu_seqlens": cu,
+        "scale": float(scale),
+        "state_v_first": bool(state_v_first),
+    }
 
     cfg = dict(fused_config or {})
     if block_v is not None:
         cfg["block_v"] = int(block_v)
-    if "block_v" not in cfg:
-        cfg.update(default_fused_config(N, HV, V, _sm_count(q.device), K=K))
+    if "block_v" not in cfg:  # the fused kernel's grid runs over partitions when split
+        cfg.update(default_fused_config(plan.num_parts if plan else N, HV, V, _sm_count(q.device), K=K))
+    if plan is not None:
+        o, final, saved["split"] = _split_forward(q, k, v, ag, g_cum, float(scale), initial_state,
+                                                  output_final_state, state_v_first, plan, cfg)
+        return o, final, saved
+
     sdims = (V, K) if state_v_first else (K, V)
     dev = q.device
     use_h0 = initial_state is not None
@@ -576,69 +588,42 @@ def tilelang_chunk_gated_delta_rule_fwd(
             kern(q, k, v, ag, g_cum, h0, o, ht)
     elif output_final_state:
         ht.copy_(h0 if use_h0 else torch.zeros_like(ht))
-    saved = {
-        "g_cumsum": g_cum,
-        "Ag": ag,
-        "chunk_table": chunk_tab,
-        "cu_seqlens": cu,
-        "scale": float(scale),
-        "state_v_first": bool(state_v_first),
-    }
     return o, (ht if output_final_state else None), saved
 
 
-def _split_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu, seq_tab, state_v_first, plan,
-                   fused_config):
-    """The forward with sequences cut into partitions (see `tilelang_split`): prepare as usual,
-    (h, M) per partition, GPU scan for each partition's incoming state, then the fused kernel
-    over the partitions. Same outputs and `saved` as the plain path, plus saved["split"]."""
+def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state, state_v_first, plan, cfg):
+    """The forward with sequences cut into partitions (see `tilelang_split`), after the prepare
+    kernel: (h, M) per partition, GPU scan for each partition's incoming state, then the fused
+    kernel (tiles `cfg`) over the partitions. Returns (o, final state or None, saved["split"])."""
     from .tilelang_split import scan_partitions, state_summaries
 
     B, Tn, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
     N = len(plan.seq_parts) - 1
-    g_cum, ag, _ = prepare_fwd(k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
-    packed = [x.reshape(1, B * Tn, *x.shape[2:]) for x in (q, k, v, ag, g_cum)]
-    qf, kf, vf, agf, gf = packed
+    qf, kf, vf, agf, gf = (x.reshape(1, B * Tn, *x.shape[2:]) for x in (q, k, v, ag, g_cum))
 
     idx = plan.device_tensors(dev)
-    part_cu, seq_parts = idx["part_cu"], idx["seq_parts"]
     h_part, m_part = state_summaries(kf, vf, agf, gf, plan)
     if initial_state is not None:
-        h0 = initial_state.float()
-        h0 = (h0.transpose(-1, -2) if state_v_first else h0).contiguous()
+        h0 = state_kv_layout(initial_state, state_v_first)
         assert tuple(h0.shape) == (N, HV, K, V), f"initial_state must hold {N} states"
     else:
         h0 = torch.zeros(N, HV, K, V, dtype=torch.float32, device=dev)
-    s_in = scan_partitions(m_part, h_part, seq_parts, h0, reverse=False)
+    s_in = scan_partitions(m_part, h_part, idx["seq_parts"], h0, reverse=False)
 
-    cfg = dict(fused_config or {})
-    if "block_v" not in cfg:
-        cfg.update(default_fused_config(plan.num_parts, HV, V, _sm_count(dev), K=K))
     factory, params = fwd_kernel_specs(H, HV, K, V, q.dtype, scale, True, True, output_final_state, False, **cfg)[1]
     kern = compile_kernel(factory, **params)
     o = torch.empty(1, B * Tn, HV, V, dtype=q.dtype, device=dev)
     ht = torch.empty(plan.num_parts if output_final_state else 1, HV, K, V, dtype=torch.float32, device=dev)
-    kern(qf, kf, vf, agf, gf, part_cu, s_in, o, ht)
-    final = None
-    if output_final_state:
-        final = ht.index_select(0, idx["last_parts"])
-        final = (final.transpose(-1, -2) if state_v_first else final).contiguous()
-    saved = {
-        "g_cumsum": g_cum,
-        "Ag": ag,
-        "chunk_table": seq_tab,
-        "cu_seqlens": cu,
-        "scale": float(scale),
-        "state_v_first": bool(state_v_first),
-        "split": {
-            "part_cu": part_cu,
-            "part_chunk_table": idx["part_chunk_table"],
-            "seq_parts": seq_parts,
-            "first_parts": idx["first_parts"],
-            "S_in": s_in,
-            "M": m_part,
-        },
+    kern(qf, kf, vf, agf, gf, idx["part_cu"], s_in, o, ht)
+    final = state_kv_layout(ht.index_select(0, idx["last_parts"]), state_v_first) if output_final_state else None
+    split = {
+        "part_cu": idx["part_cu"],
+        "part_chunk_table": idx["part_chunk_table"],
+        "seq_parts": idx["seq_parts"],
+        "first_parts": idx["first_parts"],
+        "S_in": s_in,
+        "M": m_part,
     }
-    return o.reshape(B, Tn, HV, V), final, saved
+    return o.reshape(B, Tn, HV, V), final, split

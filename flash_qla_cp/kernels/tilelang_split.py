@@ -324,6 +324,10 @@ def state_summaries(k, v, ag, gcum, plan: SplitPlan):
     return h, M
 
 
+def _scan_block_v(V: int) -> int:
+    return 32 if V % 32 == 0 else V
+
+
 def scan_partitions(m, add, seq_parts_dev, s0, reverse: bool):
     """Run the partition scan: [NP, HV, K, V] fp32 (state entering each partition, or with
     reverse=True the gradient of the state leaving it)."""
@@ -331,7 +335,7 @@ def scan_partitions(m, add, seq_parts_dev, s0, reverse: bool):
     V = add.shape[-1]
     out = torch.empty(NP, HV, K, V, dtype=torch.float32, device=m.device)
     kern = compile_kernel(build_partition_scan_kernel, HV=HV, K=K, V=V, reverse=bool(reverse),
-                          block_v=32 if V % 32 == 0 else V)
+                          block_v=_scan_block_v(V))
     kern(m.contiguous(), add.contiguous(), seq_parts_dev, s0.contiguous(), out)
     return out
 
@@ -339,7 +343,7 @@ def scan_partitions(m, add, seq_parts_dev, s0, reverse: bool):
 def split_kernel_specs(H, HV, K, V, dtype):
     """[(factory, params)] of the split-only kernels (for `precompile` and the CI lowering)."""
     dtype = tl_dtype(dtype)
-    bv = 32 if V % 32 == 0 else V
+    bv = _scan_block_v(V)
     return [
         (build_state_summary_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype)),
         (build_partition_scan_kernel, dict(HV=HV, K=K, V=V, reverse=False, block_v=bv)),
