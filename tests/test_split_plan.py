@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flash_qla_cp.kernels.tilelang_common import CHUNK, chunk_table
+from flash_qla_cp.kernels.tilelang_common import CHUNK, chunk_table, kernel_operand
 from flash_qla_cp.kernels.tilelang_split import auto_partitions, host_chunk_table, plan_split
 
 
@@ -65,3 +65,16 @@ def test_unsplit_plan_gives_the_dense_batch_chunk_table():
     assert plan.is_trivial
     want = chunk_table(torch.arange(B + 1, dtype=torch.int32) * T)
     assert torch.equal(plan.device_tensors("cpu")["seq_chunk_table"], want)
+
+
+def test_kernel_operands_are_copied_only_when_misaligned():
+    # an all_gather body after a one-element flag sits 4 bytes into its buffer: the kernels'
+    # 16-byte vector/TMA loads fault on it (seen on the H200), so it must be copied
+    buf = torch.arange(1 + 2 * 4 * 4, dtype=torch.float32)
+    shifted = buf[1:].view(2, 4, 4)
+    fixed = kernel_operand(shifted)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, shifted)
+    aligned = buf[4:20].view(4, 4)  # 16 bytes in: used as it is
+    assert kernel_operand(aligned).data_ptr() == aligned.data_ptr()
+    strided = torch.zeros(4, 8)[:, ::2]
+    assert kernel_operand(strided).is_contiguous()

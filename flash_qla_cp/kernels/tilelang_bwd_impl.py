@@ -51,7 +51,8 @@ No atomics anywhere: the result is bitwise deterministic.
 
 import torch
 
-from .tilelang_common import CHUNK, chunk_table, compile_kernel, import_tilelang, state_kv_layout, tl_dtype
+from .tilelang_common import (CHUNK, chunk_table, compile_kernel, import_tilelang, kernel_operand, state_kv_layout,
+                              tl_dtype)
 
 LOG2E = 1.4426950408889634
 
@@ -659,7 +660,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     N = cu.shape[0] - 1
 
     def flat(x, *tail):
-        return x.reshape(1, Ttot, *tail).contiguous()
+        return kernel_operand(x.reshape(1, Ttot, *tail))
 
     qf, kf = flat(q, H, K), flat(k, H, K)
     vf = flat(v, HV, V)
@@ -673,8 +674,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         from .tilelang_fwd import prepare_fwd
 
         gcum, ag, ctab = prepare_fwd(kf, flat(g.float(), HV), b32, cu_seqlens=cu)
-    gcum = gcum.float().contiguous()
-    ag = ag.contiguous()
+    gcum = kernel_operand(gcum.float())
+    ag = kernel_operand(ag)
 
     sdims = (HV, K, V)
     user_h0 = initial_state is not None

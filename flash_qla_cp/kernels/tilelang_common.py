@@ -102,11 +102,18 @@ def precompile(specs, num_workers: int = 8) -> int:
     return len(todo)
 
 
+def kernel_operand(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous and 16-byte aligned, as the kernels' vector and TMA loads need. A view at an
+    odd element offset (e.g. x[1:] of a gathered buffer) is contiguous but misaligned: copy it."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def state_kv_layout(state: torch.Tensor, state_v_first: bool) -> torch.Tensor:
     """fp32 contiguous state as [..., K, V] when the caller's layout is [..., V, K]
     (state_v_first), else as given; the same swap turns a [..., K, V] result back."""
     state = state.float()
-    return (state.transpose(-1, -2) if state_v_first else state).contiguous()
+    return kernel_operand(state.transpose(-1, -2) if state_v_first else state)
 
 
 def chunk_table(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:

@@ -52,7 +52,8 @@ import math
 
 import torch
 
-from .tilelang_common import CHUNK, chunk_table, compile_kernel, import_tilelang, state_kv_layout, tl_dtype
+from .tilelang_common import (CHUNK, chunk_table, compile_kernel, import_tilelang, kernel_operand, state_kv_layout,
+                              tl_dtype)
 
 LOG2E = 1.4426950408889634
 
@@ -480,8 +481,8 @@ def prepare_fwd(k, g, beta, cu_seqlens=None, chunk_tab=None):
     """Run the prepare kernel: returns (g_cumsum fp32 [B,T,HV], Ag [B,T,HV,64], chunk_tab)."""
     B, Tn, H, K = k.shape
     HV = g.shape[2]
-    g32 = g.float().contiguous()
-    b32 = beta.float().contiguous()
+    g32 = kernel_operand(g.float())
+    b32 = kernel_operand(beta.float())
     g_out = torch.empty(B, Tn, HV, dtype=torch.float32, device=k.device)
     a_out = torch.empty(B, Tn, HV, CHUNK, dtype=k.dtype, device=k.device)
     varlen = cu_seqlens is not None
@@ -527,7 +528,7 @@ def tilelang_chunk_gated_delta_rule_fwd(
     B, Tn, H, K, HV, V = _check_inputs(q, k, v, g, beta, cu_seqlens)
     if scale is None:
         scale = K**-0.5
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = kernel_operand(q), kernel_operand(k), kernel_operand(v)
     varlen = cu_seqlens is not None
     cu = cu_seqlens.to(torch.int32).contiguous() if varlen else None
     N = (cu.shape[0] - 1) if varlen else B
@@ -570,7 +571,7 @@ def tilelang_chunk_gated_delta_rule_fwd(
     sdims = (V, K) if state_v_first else (K, V)
     dev = q.device
     use_h0 = initial_state is not None
-    h0 = initial_state.float().contiguous() if use_h0 else torch.zeros(1, HV, *sdims, dtype=torch.float32, device=dev)
+    h0 = kernel_operand(initial_state.float()) if use_h0 else torch.zeros(1, HV, *sdims, dtype=torch.float32, device=dev)
     if use_h0:
         assert tuple(h0.shape) == (N, HV, *sdims), f"initial_state must be {(N, HV, *sdims)}"
     ht = torch.empty(N, HV, *sdims, dtype=torch.float32, device=dev) if output_final_state else torch.empty(

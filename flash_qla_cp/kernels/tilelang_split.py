@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tilelang_common import CHUNK, compile_kernel, import_tilelang, tl_dtype
+from .tilelang_common import CHUNK, compile_kernel, import_tilelang, kernel_operand, tl_dtype
 
 LOG2E = 1.4426950408889634
 MIN_CHUNKS_PER_PART = 16  # shorter partitions spend more on the summary pass than they save
@@ -336,7 +336,7 @@ def scan_partitions(m, add, seq_parts_dev, s0, reverse: bool):
     out = torch.empty(NP, HV, K, V, dtype=torch.float32, device=m.device)
     kern = compile_kernel(build_partition_scan_kernel, HV=HV, K=K, V=V, reverse=bool(reverse),
                           block_v=_scan_block_v(V))
-    kern(m.contiguous(), add.contiguous(), seq_parts_dev, s0.contiguous(), out)
+    kern(kernel_operand(m), kernel_operand(add), seq_parts_dev, kernel_operand(s0), out)
     return out
 
 

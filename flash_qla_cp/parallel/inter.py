@@ -78,8 +78,9 @@ def _all_reduce(x: torch.Tensor, cp: CPContext) -> torch.Tensor:
 def _exchange(cp: CPContext, build, *shape_and_dtype):
     """all_gather whatever `build()` makes; a failure on any rank is raised on every rank.
 
-    The payload's first element is an error flag, so a rank that failed still takes part
-    (with a payload of the agreed size) instead of leaving the others waiting.
+    The payload's last element is an error flag, so a rank that failed still takes part
+    (with a payload of the agreed size) instead of leaving the others waiting. (Last, so each
+    returned body starts where its buffer does: aligned for the kernels that read it.)
     """
     size, dtype, device = shape_and_dtype
     error = None
@@ -89,15 +90,15 @@ def _exchange(cp: CPContext, build, *shape_and_dtype):
     except Exception as exc:  # re-raised below, after the collective
         error, body = exc, torch.zeros(size, dtype=dtype, device=device)
     flag = torch.tensor([0.0 if error is None else 1.0], dtype=dtype, device=device)
-    got = _gather(torch.cat([flag, body.to(device)]), cp) if cp.world > 1 else [torch.cat([flag, body])]
-    flags = torch.stack([t[0] for t in got]).tolist()  # one host sync
+    got = _gather(torch.cat([body.to(device), flag]), cp) if cp.world > 1 else [torch.cat([body, flag])]
+    flags = torch.stack([t[-1] for t in got]).tolist()  # one host sync
     failed = [r for r, f in enumerate(flags) if f != 0]
     if failed:
         msg = f"context-parallel GDN failed on rank(s) {failed}"
         if error is not None:
             raise CPError(f"{msg}: {error}") from error
         raise CPError(msg)
-    return [t[1:] for t in got]
+    return [t[:-1] for t in got]
 
 
 def _scan_forward(cp, states, mats, HV, K, V):

@@ -7,7 +7,7 @@
 #
 # Phases: check_fwd check_bwd check_split check_cp bench tune_split profile long_seq. SHAPES / LIBS narrow the
 # benchmark (SHAPES / PARTS the split sweep);
-# SEQ_LENS the long-sequence ladder (with activation checkpointing).
+# CP_CHECKS the CP checks (intra, inter); SEQ_LENS the long-sequence ladder (with activation checkpointing).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 tar -xJf .device/site.tar.xz -C /tmp || exit 1
@@ -27,7 +27,7 @@ for phase in "$@"; do
                   ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} 2>&1 | grep '^{' | cut -c1-300 ;;
     profile) timeout 240 python benchmarks/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
                ${INTRA:+--intra "$INTRA"} 2>&1 | grep '^{' | cut -c1-1500 ;;
-    check_cp) timeout 200 python tests/gpu/check_cp.py intra 2>&1 | grep -v TileLang | tee "$OUT/check_cp.log" | cut -c1-600 ;;
+    check_cp) timeout "${CHECK_TIMEOUT:-300}" python tests/gpu/check_cp.py ${CP_CHECKS:-intra inter} 2>&1 | grep -v TileLang | tee "$OUT/check_cp.log" | cut -c1-600 ;;
     bench) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_kernels.py --out "$OUT/bench" \
              ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-300 ;;
     long_seq)
