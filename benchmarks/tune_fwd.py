@@ -20,7 +20,11 @@ from flash_qla_cp.kernels.tilelang_fwd import fwd_kernel_specs, prepare_fwd  # n
 
 
 def opts(var):
-    bv, st, am, th, osm = var
+    """'bv:stages:async:threads:osmem' -> single-warpgroup kernel options; 'ws<bv>' -> the
+    warp-specialised kernel with that block_v."""
+    if var.startswith("ws"):
+        return dict(warp_specialized=True, block_v=int(var[2:]))
+    bv, st, am, th, osm = (int(x) for x in var.split(":"))
     return dict(block_v=bv, num_stages=st, async_mma=bool(am), threads=th, o_store_smem=bool(osm))
 
 
@@ -28,12 +32,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="tp1_1x32k,tp8_1x32k,tp1_varlen8_32k")
     ap.add_argument("--variants", default="64:2:1:128:0,32:2:1:128:0,16:2:1:128:0,32:2:1:256:0,64:2:1:256:0,32:2:1:128:1",
-                    help="comma list of block_v:num_stages:async_mma:threads:o_store_smem")
+                    help="comma list of block_v:num_stages:async_mma:threads:o_store_smem or ws<block_v>")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     import triton.testing
 
-    variants = [tuple(int(y) for y in x.split(":")) for x in args.variants.split(",")]
+    variants = args.variants.split(",")
     shapes = args.shapes.split(",")
     specs = []
     for sname in shapes:

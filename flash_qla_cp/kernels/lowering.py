@@ -90,6 +90,27 @@ def _forward_cases() -> list[KernelCase]:
                 expect=("wgmma",),
             )
         )
+    return cases + _warp_specialized_cases()
+
+
+def _warp_specialized_cases() -> list[KernelCase]:
+    from .tilelang_fwd_ws import build_fused_fwd_ws_kernel
+
+    cases = []
+    for bv, dim, varlen, v_first in ((64, 128, False, False), (32, 128, True, True), (16, 64, True, False)):
+        cases.append(
+            KernelCase(
+                name=f"fwd_fused_ws_k{dim}_bv{bv}_{'varlen' if varlen else 'dense'}",
+                factory=build_fused_fwd_ws_kernel,
+                params=dict(
+                    H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, is_varlen=varlen,
+                    use_initial_state=True, store_final_state=True, state_v_first=v_first, block_v=bv,
+                ),
+                entry="gdn_fwd_fused_varlen" if varlen else "gdn_fwd_fused",
+                # TMA loads into mbarriers, register hand-off between warpgroups
+                expect=("wgmma", "tma_load", "warpgroup_reg_alloc"),
+            )
+        )
     return cases
 
 

@@ -40,7 +40,9 @@ Kernels
   in -> writes G and Ag.
 * `build_fused_fwd_kernel`: per (v-block, sequence, v-head): walks the chunks of its sequence
   with the state block S[K, BV] in fp32 registers; six wgmma GEMMs per chunk; writes o and the
-  final state.
+  final state. `tilelang_fwd_ws.build_fused_fwd_ws_kernel` has the same contract with the
+  work split over three warpgroups (state / output / TMA loader); `default_fused_config`
+  picks it for K <= 128.
 
 Every factory returns a TileLang PrimFunc; `compile_kernel` compiles lazily and caches by
 parameters. Nothing is compiled or queried at import time.
@@ -442,25 +444,30 @@ def _check_inputs(q, k, v, g, beta, cu_seqlens):
 def default_fused_config(n_seqs, HV, V, sm_count=132, K=128):
     """Tile choice for the fused kernel. Each CTA walks a whole sequence for one v-head and one
     V block, so with few (sequence, v-head) pairs narrower V blocks buy parallelism and a
-    shorter per-chunk critical path. Picked from H200 timings (benchmarks/results/tune_fwd_h200.json):
-    256 pairs -> block_v 64; 32 pairs -> block_v 32 with two consumer warpgroups; 4 pairs -> 16.
+    shorter per-chunk critical path.
+
+    K <= 128: the warp-specialised kernel (`tilelang_fwd_ws.py`), with the widest block_v whose
+    grid still covers ~90% of the SMs (H200, benchmarks/results/tune_fwd_h200_2026-12-03_ws.json:
+    32 pairs -> 32, 128+ pairs -> 64, 4 pairs -> 16; 1.2-1.5x faster than the single-warpgroup
+    kernel at each shape's best tile). K > 128: the single-warpgroup kernel, whose tiles fit the
+    shared memory (q/k tiles of 64 x K double-buffered leave room for block_v <= 32 only).
     """
     pairs = n_seqs * HV
     if K > 128:
-        # q/k tiles of 64 x K, double-buffered, leave room for block_v <= 32 only
         return {"block_v": 32 if pairs * (V // 32) >= sm_count // 2 else 16, "threads": 128}
-    if V % 64 == 0 and pairs * (V // 64) >= sm_count:
-        return {"block_v": 64, "threads": 128}
-    if V % 32 == 0 and pairs * (V // 32) >= sm_count // 2:
-        return {"block_v": 32, "threads": 256}
-    return {"block_v": 16, "threads": 128}
+    for bv in (64, 32):
+        if V % bv == 0 and pairs * (V // bv) >= 0.9 * sm_count:
+            return {"warp_specialized": True, "block_v": bv}
+    return {"warp_specialized": True, "block_v": 16 if V % 16 == 0 else V}
 
 
 def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, store_final_state,
                      state_v_first=False, block_v=None, **fused_opts):
     """[(factory, params)] of the kernels one forward call uses (for `precompile`).
 
-    `fused_opts` go to `build_fused_fwd_kernel` (threads, num_stages, async_mma, o_store_smem).
+    `fused_opts` go to `build_fused_fwd_kernel` (threads, num_stages, async_mma, o_store_smem);
+    `warp_specialized=True` picks `tilelang_fwd_ws.build_fused_fwd_ws_kernel` instead (same
+    arguments; only block_v applies to it).
     """
     if block_v is None:
         block_v = 64 if V % 64 == 0 else V
@@ -470,10 +477,16 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
         use_initial_state=bool(use_initial_state), store_final_state=bool(store_final_state),
         state_v_first=bool(state_v_first), block_v=int(block_v),
     )
-    fused.update({k: v for k, v in fused_opts.items() if v is not None})
+    opts = {k: v for k, v in fused_opts.items() if v is not None}
+    factory = build_fused_fwd_kernel
+    if opts.pop("warp_specialized", False):
+        from .tilelang_fwd_ws import build_fused_fwd_ws_kernel
+
+        factory, opts = build_fused_fwd_ws_kernel, {}
+    fused.update(opts)
     return [
         (build_prepare_kernel, dict(H=H, HV=HV, K=K, dtype=dtype, is_varlen=bool(is_varlen))),
-        (build_fused_fwd_kernel, fused),
+        (factory, fused),
     ]
 
 

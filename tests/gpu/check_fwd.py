@@ -142,6 +142,18 @@ CASES = [
                                cu=[0, 1, 65, 200, 777, 1000], cfg={"block_v": 64, "threads": 256})),
     ("variant_bv64_osmem_sync", dict(B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
                                      cfg={"block_v": 64, "o_store_smem": True, "async_mma": False})),
+    # the warp-specialised kernel (tilelang_fwd_ws.py)
+    ("ws_bv64_varlen_odd", dict(B=1, T=1000, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16,
+                                cu=[0, 1, 65, 200, 777, 1000], cfg={"warp_specialized": True, "block_v": 64})),
+    ("ws_bv32_varlen_vfirst_recurrent", dict(B=1, T=333, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                             cu=[0, 63, 64, 129, 333], state_v_first=True, ref="recurrent",
+                                             cfg={"warp_specialized": True, "block_v": 32})),
+    ("ws_bv16_dense_fp16_noh0", dict(B=1, T=256, H=2, HV=4, K=128, V=128, dtype=torch.float16, with_h0=False,
+                                     cfg={"warp_specialized": True, "block_v": 16})),
+    ("ws_bv64_dense_k64", dict(B=2, T=500, H=2, HV=4, K=64, V=64, dtype=torch.bfloat16,
+                               cfg={"warp_specialized": True, "block_v": 64})),
+    ("ws_bv64_dense_T8192", dict(B=1, T=8192, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16,
+                                 cfg={"warp_specialized": True, "block_v": 64})),
 ]
 
 
@@ -149,9 +161,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--quick", action="store_true", help="only the short cases")
+    ap.add_argument("--match", default=None, help="only the cases whose name contains this")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     cases = CASES[:3] + CASES[7:] if args.quick else CASES
+    if args.match:
+        cases = [c for c in CASES if args.match in c[0]]
 
     t0 = time.time()
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -1,0 +1,219 @@
+"""Warp-specialised fused forward (sm_90a): the chunk recurrence with the output off its path.
+
+Same arguments and results as `tilelang_fwd.build_fused_fwd_kernel` (see the SPEC there); only
+the schedule differs. In the single-warpgroup kernel every chunk runs six GEMMs back to back,
+and the three that make the output (q k^T, q S, P v_new) sit on the chain that carries the
+state from chunk to chunk. Here one CTA runs three warpgroups:
+
+* state  (threads   0-127): holds S[K, BV] in fp32 registers. Per chunk: publish S as bf16,
+  x = k S, w = v - exp(G) x, v_new = Ag w (published), S = exp(G_L) S + k^T (exp(G_L - G) v_new).
+  Two dependent GEMM steps plus the update: the critical path.
+* output (threads 128-255): P = q k^T gated and masked (before S is known), then
+  o = exp(G) q S + P v_new as soon as S and v_new are published; stores o from registers.
+* loader (threads 256-383): one warp issues the TMA loads of the next chunk (q, k, v, Ag into
+  a two-stage ring) and fills G; the other warps idle.
+
+Synchronisation is by mbarriers: data_ready/data_free per ring stage, and per chunk
+h_ready / vn_ready (state -> output) and out_done (output -> state: the single S and v_new
+buffers may be overwritten). Shared-memory writes read by wgmma are fenced to the async proxy
+before the barrier that publishes them.
+"""
+
+from .tilelang_common import CHUNK, import_tilelang, tl_dtype
+
+LOG2E = 1.4426950408889634
+
+
+def build_fused_fwd_ws_kernel(
+    H: int,
+    HV: int,
+    K: int,
+    V: int,
+    dtype: str,
+    scale: float,
+    is_varlen: bool,
+    use_initial_state: bool,
+    store_final_state: bool,
+    state_v_first: bool = False,
+    block_v: int = 64,
+):
+    """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N or B, HV),
+    384 threads)."""
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
+    dtype = tl_dtype(dtype)
+    G = HV // H
+    BV = block_v
+    assert V % BV == 0 and BV % 16 == 0 and K % 64 == 0
+    NV = V // BV
+    scale = float(scale)
+    WG = 128
+    # registers per thread (setmaxnreg): the loader gives its share to the two consumers,
+    # whose S block and accumulators (BV = 64: 128 floats) must not spill
+    LOADER_REGS, CONSUMER_REGS = 40, 232
+
+    @T.macro
+    def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len):
+        bh = bhv // G
+        v0 = bv * BV
+        # two-stage ring filled by the loader
+        q_s = T.alloc_shared((2, C, K), dtype)
+        k_s = T.alloc_shared((2, C, K), dtype)
+        v_s = T.alloc_shared((2, C, BV), dtype)
+        a_s = T.alloc_shared((2, C, C), dtype)
+        g_s = T.alloc_shared((2, C), acc)
+        # state -> output (single buffers, released by out_done)
+        h_s = T.alloc_shared((K, BV), dtype)
+        vn_s = T.alloc_shared((C, BV), dtype)
+        # private to one warpgroup
+        w_s = T.alloc_shared((C, BV), dtype)
+        vd_s = T.alloc_shared((C, BV), dtype)
+        p_s = T.alloc_shared((C, C), dtype)
+
+        s_f = T.alloc_fragment((K, BV), acc)
+        x_f = T.alloc_fragment((C, BV), acc)
+        vn_f = T.alloc_fragment((C, BV), acc)
+        p_f = T.alloc_fragment((C, C), acc)
+        o_f = T.alloc_fragment((C, BV), acc)
+        glast = T.alloc_var(acc)
+
+        data_ready = T.alloc_barrier(arrive_count=[32, 32])
+        data_free = T.alloc_barrier(arrive_count=[2 * WG, 2 * WG])
+        h_ready = T.alloc_barrier(arrive_count=WG)
+        vn_ready = T.alloc_barrier(arrive_count=WG)
+        out_done = T.alloc_barrier(arrive_count=WG)
+
+        n_chunks = T.ceildiv(seq_len, C)
+        tx = T.get_thread_binding()
+
+        if tx < WG:
+            # ---- state warpgroup ----
+            T.set_max_nreg(CONSUMER_REGS, 1)
+            if use_initial_state:
+                if state_v_first:
+                    for i, j in T.Parallel(K, BV):
+                        s_f[i, j] = h0[n, bhv, v0 + j, i]
+                else:
+                    T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
+            else:
+                T.clear(s_f)
+            for c in T.serial(n_chunks):
+                s = c % 2
+                L = T.min(seq_len - c * C, C)
+                T.barrier_wait(data_ready[s], (c // 2) % 2)
+                T.barrier_wait(out_done, (c + 1) % 2)  # chunk c-1's reads of h_s / vn_s are done
+                T.copy(s_f, h_s)
+                T.fence_proxy_async()
+                T.barrier_arrive(h_ready)
+                T.gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
+                for i, j in T.Parallel(C, BV):
+                    w_s[i, j] = v_s[s, i, j] - T.exp2(g_s[s, i] * LOG2E) * x_f[i, j]
+                T.fence_proxy_async()
+                T.gemm(a_s[s, :, :], w_s, vn_f, clear_accum=True)
+                glast = g_s[s, C - 1]  # padding rows repeat the last valid G
+                for i, j in T.Parallel(C, BV):
+                    vn_s[i, j] = vn_f[i, j]
+                    vd_s[i, j] = T.if_then_else(i < L, vn_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E),
+                                                T.float32(0))
+                T.fence_proxy_async()
+                T.barrier_arrive(vn_ready)
+                for i, j in T.Parallel(K, BV):
+                    s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
+                T.gemm(k_s[s, :, :], vd_s, s_f, transpose_A=True)
+                T.barrier_arrive(data_free[s])
+            if store_final_state:
+                if state_v_first:
+                    for i, j in T.Parallel(K, BV):
+                        ht[n, bhv, v0 + j, i] = s_f[i, j]
+                else:
+                    T.copy(s_f, ht[n, bhv, :, v0 : v0 + BV])
+        elif tx < 2 * WG:
+            # ---- output warpgroup ----
+            T.set_max_nreg(CONSUMER_REGS, 1)
+            for c in T.serial(n_chunks):
+                s = c % 2
+                t0 = t_start + c * C
+                L = T.min(seq_len - c * C, C)
+                T.barrier_wait(data_ready[s], (c // 2) % 2)
+                T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    p_s[i, j] = T.if_then_else(
+                        i >= j, p_f[i, j] * T.exp2((g_s[s, i] - g_s[s, j]) * LOG2E) * scale, T.float32(0)
+                    )
+                T.fence_proxy_async()
+                T.barrier_wait(h_ready, c % 2)
+                T.gemm(q_s[s, :, :], h_s, o_f, clear_accum=True)
+                for i, j in T.Parallel(C, BV):
+                    o_f[i, j] = o_f[i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale)
+                T.barrier_wait(vn_ready, c % 2)
+                T.gemm(p_s, vn_s, o_f)
+                T.barrier_arrive(out_done)
+                T.barrier_arrive(data_free[s])
+                for i, j in T.Parallel(C, BV):
+                    if i < L:
+                        o[bb, t0 + i, bhv, v0 + j] = o_f[i, j]
+        else:
+            # ---- loader: one warp issues the loads, the other three wait at the exit ----
+            T.set_max_nreg(LOADER_REGS, 0)
+            if tx < 2 * WG + 32:
+                for c in T.serial(n_chunks):
+                    s = c % 2
+                    t0 = t_start + c * C
+                    L = T.min(seq_len - c * C, C)
+                    T.barrier_wait(data_free[s], (c // 2 + 1) % 2)
+                    # whole 64-row tiles even for a partial last chunk (rows >= L are masked out
+                    # downstream, as in the single-warpgroup kernel; TMA zero-fills past the tensor)
+                    T.tma_copy(q[bb, t0 : t0 + C, bh, :], q_s[s, :, :], barrier=data_ready[s])
+                    T.tma_copy(k[bb, t0 : t0 + C, bh, :], k_s[s, :, :], barrier=data_ready[s])
+                    T.tma_copy(v[bb, t0 : t0 + C, bhv, v0 : v0 + BV], v_s[s, :, :], barrier=data_ready[s])
+                    T.tma_copy(ag[bb, t0 : t0 + C, bhv, :], a_s[s, :, :], barrier=data_ready[s])
+                    for i in T.Parallel(C):
+                        g_s[s, i] = gc[bb, t0 + T.min(i, L - 1), bhv]
+                    T.barrier_arrive(data_ready[s])
+
+    h_dims = (V, K) if state_v_first else (K, V)
+    N0 = T.dynamic("n_h0")
+    NT = T.dynamic("n_ht")
+    threads = 3 * WG
+
+    if is_varlen:
+        Ttot = T.dynamic("num_tokens")
+        N1 = T.dynamic("num_seqs_plus_one")
+
+        @T.prim_func
+        def gdn_fwd_fused_varlen(
+            q: T.Tensor((1, Ttot, H, K), dtype),
+            k: T.Tensor((1, Ttot, H, K), dtype),
+            v: T.Tensor((1, Ttot, HV, V), dtype),
+            ag: T.Tensor((1, Ttot, HV, C), dtype),
+            gc: T.Tensor((1, Ttot, HV), acc),
+            cu_seqlens: T.Tensor((N1,), "int32"),
+            h0: T.Tensor((N0, HV, *h_dims), acc),
+            o: T.Tensor((1, Ttot, HV, V), dtype),
+            ht: T.Tensor((NT, HV, *h_dims), acc),
+        ):
+            with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+                s0 = cu_seqlens[n]
+                body(q, k, v, ag, gc, h0, o, ht, 0, n, bhv, bv, s0, cu_seqlens[n + 1] - s0)
+
+        return gdn_fwd_fused_varlen
+
+    B = T.dynamic("batch")
+    Tlen = T.dynamic("seq_len")
+
+    @T.prim_func
+    def gdn_fwd_fused(
+        q: T.Tensor((B, Tlen, H, K), dtype),
+        k: T.Tensor((B, Tlen, H, K), dtype),
+        v: T.Tensor((B, Tlen, HV, V), dtype),
+        ag: T.Tensor((B, Tlen, HV, C), dtype),
+        gc: T.Tensor((B, Tlen, HV), acc),
+        h0: T.Tensor((N0, HV, *h_dims), acc),
+        o: T.Tensor((B, Tlen, HV, V), dtype),
+        ht: T.Tensor((NT, HV, *h_dims), acc),
+    ):
+        with T.Kernel(NV, B, HV, threads=threads) as (bv, bb, bhv):
+            body(q, k, v, ag, gc, h0, o, ht, bb, bb, bhv, bv, 0, Tlen)
+
+    return gdn_fwd_fused
