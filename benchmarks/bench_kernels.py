@@ -3,8 +3,8 @@
 Libraries (same inputs, same process, same timing method):
   ours      flash_qla_cp's public chunk_gated_delta_rule(backend="tilelang") with its defaults
             (intra_cp="auto": long sequences on few heads are split inside the kernels,
-            kernels/tilelang_split.py) and the opt-in TileLang backward
-            (FLASH_QLA_CP_TILELANG_BWD=1, set below)
+            kernels/tilelang_split.py) and the TileLang backward (its default; an inherited
+            FLASH_QLA_CP_TILELANG_BWD=0 is overridden below)
   ours_nosplit  the same with intra_cp="off" (one CTA walks a whole sequence per head and tile)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
@@ -27,7 +27,7 @@ import os
 
 os.environ.setdefault("FLA_FLASH_QLA", "0")
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
-os.environ.setdefault("FLASH_QLA_CP_TILELANG_BWD", "1")  # time our backward kernels (opt-in in the library)
+os.environ["FLASH_QLA_CP_TILELANG_BWD"] = "1"  # time our backward kernels, never the torch fallback
 
 import argparse  # noqa: E402
 import json  # noqa: E402

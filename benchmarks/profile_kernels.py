@@ -1,6 +1,6 @@
 """Per-kernel GPU time of our forward and forward+backward (torch.profiler), to see where time goes.
 
-    FLASH_QLA_CP_TILELANG_BWD=1 python benchmarks/profile_kernels.py --shapes tp8_1x32k --intra auto,off
+    python benchmarks/profile_kernels.py --shapes tp8_1x32k --intra auto,off
 
 Prints, per shape and intra setting, each CUDA kernel's total time over --iters iterations
 divided by --iters (ms per call), and writes profile_kernels.json under --out.

@@ -4,7 +4,7 @@ For each shape and P in --parts: forward time (kernels called directly) and forw
 time (the public op, TileLang backward), do_bench medians. P = 1 is the unsplit path; 'auto'
 is what `kernels/tilelang_split.auto_partitions` picks. Writes tune_split.json under --out.
 
-    FLASH_QLA_CP_TILELANG_BWD=1 python benchmarks/tune_split.py --shapes tp8_1x32k --parts 1,4,16,auto
+    python benchmarks/tune_split.py --shapes tp8_1x32k --parts 1,4,16,auto
 """
 
 import argparse
@@ -22,6 +22,7 @@ from bench_kernels import shape_inputs  # noqa: E402
 
 from flash_qla_cp import chunk_gated_delta_rule  # noqa: E402
 from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd  # noqa: E402
+from flash_qla_cp.ops import tilelang_backward_enabled  # noqa: E402
 
 
 def main():
@@ -34,7 +35,7 @@ def main():
     args = ap.parse_args()
     import triton.testing
 
-    assert os.environ.get("FLASH_QLA_CP_TILELANG_BWD") == "1" or args.no_bwd, "set FLASH_QLA_CP_TILELANG_BWD=1"
+    assert tilelang_backward_enabled() or args.no_bwd, "unset FLASH_QLA_CP_TILELANG_BWD=0 (or pass --no-bwd)"
     os.makedirs(args.out, exist_ok=True)
     rows = []
     meta = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -17,7 +17,7 @@ from flash_qla_cp.kernels.tilelang_bwd_impl import lowering_cases  # noqa: E402
 
 ALL = lowering_cases()
 if os.environ.get("FLASH_QLA_CP_LOWER_ALL", "0") not in ("1", "true", "yes"):
-    CASES = [c for c in ALL if c[0].endswith("_bfloat16_k128") or c[0].endswith("_float16_k64")]
+    CASES = [c for c in ALL if c[0].endswith("_bfloat16_k128") or c[0].endswith("_float16_k64") or "_ws_" in c[0]]
 else:
     CASES = ALL
 

@@ -78,3 +78,4 @@ def test_kernel_operands_are_copied_only_when_misaligned():
     assert kernel_operand(aligned).data_ptr() == aligned.data_ptr()
     strided = torch.zeros(4, 8)[:, ::2]
     assert kernel_operand(strided).is_contiguous()
+

@@ -1,8 +1,7 @@
 """TileLang Hopper (sm_90a) backward kernels for chunked Gated DeltaNet (implementation).
 
-`flash_qla_cp.ops` calls `tilelang_chunk_gated_delta_rule_bwd` only when FLASH_QLA_CP_TILELANG_BWD=1
-(opt-in until dg meets the 1e-2 bf16 limit on every config of `tests/gpu/check_bwd.py`); otherwise
-it uses the autograd backward. Importing this module touches no GPU and compiles nothing:
+`flash_qla_cp.ops` calls `tilelang_chunk_gated_delta_rule_bwd` for the TileLang backend unless
+FLASH_QLA_CP_TILELANG_BWD=0 (then it uses the autograd backward of the torch chunked path). Importing this module touches no GPU and compiles nothing:
 TileLang is imported when a kernel is first built.
 
 SPEC (backward side; the forward's SPEC is at the top of `tilelang_fwd.py`)
@@ -44,6 +43,9 @@ Kernels (all take packed [1, Ttot, ...] tensors, cu_seqlens [N+1] int32):
 * `build_bwd_grad_group_kernel` grid (NC, H), 256 threads (the default): one chunk and one
   qk-head per block, walking its HV/H v-heads in order; dq, dk accumulate on chip and are
   written once in the input dtype; dg (already reverse-cumsummed) and dbeta in fp32.
+The two walks also exist warp-specialised, with the same contracts (`tilelang_bwd_h_ws.py`,
+`tilelang_bwd_dh_ws.py`: TMA loader warp, and for dh a second warpgroup for the parts that do
+not depend on dS); `DEFAULT_H_KERNEL` / `DEFAULT_DH_KERNEL` choose.
 No atomics anywhere: the result is bitwise deterministic.
 """
 
@@ -572,17 +574,45 @@ def default_block_v(V: int) -> int:
     return 64 if V % 64 == 0 else V
 
 
-def bwd_kernel_specs(H, HV, K, V, dtype, scale, use_initial_state, use_dht, block_v=None):
+# Which h and dh walks the backward runs: "ws" (tilelang_bwd_h_ws.py / tilelang_bwd_dh_ws.py:
+# warp-specialised, TMA-fed) or "serial" (build_bwd_h_kernel / build_bwd_dh_kernel above, one
+# warpgroup). Each pair has one contract. The ws h walk passed only the three quick cases of
+# tests/gpu/check_bwd.py so far (H200: backward 5.64 -> 5.25 ms at 1 x 32k with it): serial
+# stays the default until the full check has run.
+DEFAULT_H_KERNEL = "serial"
+DEFAULT_DH_KERNEL = "ws"
+
+
+def _walk_choice(name, value):
+    if value not in ("ws", "serial"):
+        raise ValueError(f"{name} must be 'ws' or 'serial', got {value!r}")
+    return value
+
+
+def bwd_kernel_specs(H, HV, K, V, dtype, scale, use_initial_state, use_dht, block_v=None, dh_kernel=None,
+                     h_kernel=None):
     """[(factory, params)] of the three backward kernels for one configuration."""
     if block_v is None:
         block_v = default_block_v(V)
+    dh_kernel = _walk_choice("dh_kernel", dh_kernel or DEFAULT_DH_KERNEL)
+    h_kernel = _walk_choice("h_kernel", h_kernel or DEFAULT_H_KERNEL)
+    # the warp-specialised walks keep a two-stage ring of 64 x K tiles: K <= 128 only
+    h_factory, dh_factory = build_bwd_h_kernel, build_bwd_dh_kernel
+    if h_kernel == "ws" and K <= 128:
+        from .tilelang_bwd_h_ws import build_bwd_h_ws_kernel
+
+        h_factory = build_bwd_h_ws_kernel
+    if dh_kernel == "ws" and K <= 128:
+        from .tilelang_bwd_dh_ws import build_bwd_dh_ws_kernel
+
+        dh_factory = build_bwd_dh_ws_kernel
     dtype = tl_dtype(dtype)
     grad = (build_bwd_grad_group_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale)))
     return [
-        (build_bwd_h_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, use_initial_state=bool(use_initial_state),
-                                  block_v=int(block_v))),
-        (build_bwd_dh_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), use_dht=bool(use_dht),
-                                   store_dh0=bool(use_initial_state), block_v=int(block_v))),
+        (h_factory, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, use_initial_state=bool(use_initial_state),
+                         block_v=int(block_v))),
+        (dh_factory, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), use_dht=bool(use_dht),
+                          store_dh0=bool(use_initial_state), block_v=int(block_v))),
         grad,
     ]
 
@@ -632,7 +662,7 @@ def _saved_tensor(saved, name, shape):
 
 
 def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, saved,
-                                         state_v_first=False, block_v=None):
+                                         state_v_first=False, block_v=None, dh_kernel=None, h_kernel=None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of the chunked GDN forward on Hopper.
 
     do [B,T,HV,V]; dht fp32 final-state gradient or None; q,k [B,T,H,K] bf16/fp16 (already
@@ -708,7 +738,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     NC = int(ctab.shape[0])
 
     use_h0 = user_h0 or split is not None
-    specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht or split is not None, block_v)
+    specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht or split is not None, block_v, dh_kernel,
+                             h_kernel)
     k_h, k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs)
 
     h_st = _empty(NC, *sdims, dtype=dt, device=dev)
@@ -754,7 +785,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     return dq, dk, dv, dg, db, dh0
 
 
-_ENTRY = {"build_bwd_h_kernel": "gdn_bwd_h", "build_bwd_dh_kernel": "gdn_bwd_dh",
+_ENTRY = {"build_bwd_h_kernel": "gdn_bwd_h", "build_bwd_dh_kernel": "gdn_bwd_dh", "build_bwd_dh_ws_kernel": "gdn_bwd_dh",
+          "build_bwd_h_ws_kernel": "gdn_bwd_h",
           "build_bwd_grad_group_kernel": "gdn_bwd_grad_group"}
 
 
@@ -771,4 +803,10 @@ def lowering_cases():
     for f, p in bwd_kernel_specs(4, 4, 128, 128, "bfloat16", 128**-0.5, False, False):
         entry = _ENTRY[f.__name__]
         cases.append((f"{entry}_bfloat16_k128_nostate_mha", f, p, entry))
+    # the warp-specialised h and dh walks (with and without initial state / exit gradients)
+    for dim, bv, states in ((128, 32, True), (128, 64, False), (64, 64, True)):
+        specs = bwd_kernel_specs(2, 4, dim, dim, "bfloat16", dim**-0.5, states, states, bv, dh_kernel="ws",
+                                 h_kernel="ws")
+        for (f, p), entry in zip(specs[:2], ("gdn_bwd_h", "gdn_bwd_dh")):
+            cases.append((f"{entry}_ws_k{dim}_bv{bv}{'' if states else '_nostate'}", f, p, entry))
     return cases

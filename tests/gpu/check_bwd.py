@@ -159,7 +159,7 @@ def specs_for(kw):
     return out
 
 
-BENCH_VARIANTS = [64, 16]  # V tiles besides the default
+DH_KERNELS = ("serial", "ws")  # the walks timed side by side in bench()
 
 
 def peer_errors():
@@ -209,14 +209,14 @@ def bench(results, budget_s):
     out["ours_fwd_ms"] = tt.do_bench(fwd, warmup=50, rep=300, return_mode="median")
     out["ours_bwd_ms"] = tt.do_bench(bwd_only, warmup=50, rep=300, return_mode="median")
     out["ours_fwd_bwd_ms"] = tt.do_bench(fwd_bwd, warmup=50, rep=300, return_mode="median")
-    for bv in BENCH_VARIANTS:
-        def variant(bv=bv):
+    for walk in DH_KERNELS:  # both walks serial, then both warp-specialised
+        def variant(walk=walk):
             return bwd.tilelang_chunk_gated_delta_rule_bwd(do, None, q, k, v, g, beta, scale, None, None, saved,
-                                                           block_v=bv)
+                                                           dh_kernel=walk, h_kernel=walk)
         try:
-            out[f"ours_bwd_ms_bv{bv}"] = tt.do_bench(variant, warmup=30, rep=200, return_mode="median")
+            out[f"ours_bwd_ms_walks_{walk}"] = tt.do_bench(variant, warmup=30, rep=200, return_mode="median")
         except Exception as exc:
-            out[f"ours_bwd_ms_bv{bv}"] = repr(exc)
+            out[f"ours_bwd_ms_walks_{walk}"] = repr(exc)
     # per-kernel split of the backward
     try:
         from torch.profiler import ProfilerActivity, profile
@@ -278,7 +278,13 @@ def main():
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--bench-only", action="store_true", help="skip the correctness cases")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which optional parts are skipped")
+    ap.add_argument("--dh-kernel", default=None, choices=DH_KERNELS, help="the dh walk the checks use")
+    ap.add_argument("--h-kernel", default=None, choices=DH_KERNELS, help="the h walk the checks use")
     args = ap.parse_args()
+    if args.dh_kernel:
+        bwd.DEFAULT_DH_KERNEL = args.dh_kernel
+    if args.h_kernel:
+        bwd.DEFAULT_H_KERNEL = args.h_kernel
     os.makedirs(args.out, exist_ok=True)
     start = time.time()
     cases = CASES[:3] if args.quick else CASES
@@ -294,8 +300,9 @@ def main():
         from flash_qla_cp.kernels.tilelang_fwd import fwd_kernel_specs
 
         specs += bwd.bwd_kernel_specs(16, 32, 128, 128, torch.bfloat16, 128**-0.5, False, False)
-        for bv in BENCH_VARIANTS:
-            specs += bwd.bwd_kernel_specs(16, 32, 128, 128, torch.bfloat16, 128**-0.5, False, False, bv)
+        for walk in DH_KERNELS:
+            specs += bwd.bwd_kernel_specs(16, 32, 128, 128, torch.bfloat16, 128**-0.5, False, False,
+                                          dh_kernel=walk, h_kernel=walk)
         for hh, hv in ((4, 4), (2, 4)):
             specs += bwd.bwd_kernel_specs(hh, hv, 128, 128, torch.bfloat16, 128**-0.5, False, False)
             from flash_qla_cp.kernels.tilelang_fwd import build_prepare_kernel

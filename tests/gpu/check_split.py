@@ -1,12 +1,12 @@
 """GPU check of the intra-card split inside the TileLang kernels (kernels/tilelang_split.py).
 
 For each case: the public op with backend='tilelang' and intra_cp = P or 'auto', forward and
-TileLang backward (FLASH_QLA_CP_TILELANG_BWD=1), against the float64 torch op and against the
+TileLang backward (the default; FLASH_QLA_CP_TILELANG_BWD must not be 0), against the float64 torch op and against the
 same kernels without the split. Free GPU memory is filled with NaN first and the backward's
 buffers start as NaN, so an element nobody writes fails the check; two runs must be bitwise
 equal. Prints one JSON line per case and exits non-zero on a failure.
 
-    FLASH_QLA_CP_TILELANG_BWD=1 python tests/gpu/check_split.py
+    python tests/gpu/check_split.py
 """
 
 import json
@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from flash_qla_cp import chunk_gated_delta_rule  # noqa: E402
 from flash_qla_cp.kernels import tilelang_bwd_impl  # noqa: E402
+from flash_qla_cp.ops import tilelang_backward_enabled  # noqa: E402
 from flash_qla_cp.testing import make_gdn_inputs, random_cu_seqlens, rel_err  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
@@ -73,7 +74,7 @@ def run(case, dtype, backend, intra, state_v_first=False, with_h0=True):
 
 
 def main():
-    assert os.environ.get("FLASH_QLA_CP_TILELANG_BWD") == "1", "set FLASH_QLA_CP_TILELANG_BWD=1"
+    assert tilelang_backward_enabled(), "unset FLASH_QLA_CP_TILELANG_BWD=0: this checks the TileLang backward"
     tilelang_bwd_impl.POISON_BUFFERS = True
     cases = [
         # name, lengths, dense, HV, H, D, intra, state_v_first, with_h0

@@ -1,0 +1,35 @@
+"""Which kernel and tiles the TileLang entry points choose (CPU: choices only, nothing runs)."""
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("n_seqs,HV,V,K", [(1, 32, 128, 128), (4, 32, 128, 128), (1, 4, 128, 128), (8, 4, 64, 64),
+                                          (1, 4, 256, 256), (32, 4, 128, 128)])
+def test_default_tiles_fit_the_head_and_choose_a_kernel(n_seqs, HV, V, K):
+    from flash_qla_cp.kernels.tilelang_fwd import default_fused_config, fwd_kernel_specs
+    from flash_qla_cp.kernels.tilelang_fwd_ws import build_fused_fwd_ws_kernel
+
+    cfg = default_fused_config(n_seqs, HV, V, 132, K=K)
+    assert V % cfg["block_v"] == 0 and cfg["block_v"] % 16 == 0  # wgmma N tiles
+    factory, params = fwd_kernel_specs(2, HV, K, V, torch.bfloat16, K**-0.5, True, True, True, **cfg)[1]
+    # the warp-specialised kernel holds 64 x K q/k tiles in a two-stage ring: K <= 128 only
+    assert (factory is build_fused_fwd_ws_kernel) == (K <= 128)
+    assert params["block_v"] == cfg["block_v"]
+
+
+
+def test_backward_walk_choice():
+    from flash_qla_cp.kernels.tilelang_bwd_dh_ws import build_bwd_dh_ws_kernel
+    from flash_qla_cp.kernels.tilelang_bwd_h_ws import build_bwd_h_ws_kernel
+    from flash_qla_cp.kernels.tilelang_bwd_impl import bwd_kernel_specs, build_bwd_dh_kernel, build_bwd_h_kernel
+
+    h, dh, _ = bwd_kernel_specs(2, 4, 128, 128, "bfloat16", 0.1, True, True, dh_kernel="ws", h_kernel="ws")
+    assert h[0] is build_bwd_h_ws_kernel and dh[0] is build_bwd_dh_ws_kernel
+    h, dh, _ = bwd_kernel_specs(2, 4, 128, 128, "bfloat16", 0.1, True, True, dh_kernel="serial", h_kernel="serial")
+    assert h[0] is build_bwd_h_kernel and dh[0] is build_bwd_dh_kernel
+    # K = 256: the warp-specialised walks' q/k ring would not fit, the serial ones run
+    h, dh, _ = bwd_kernel_specs(2, 4, 256, 256, "bfloat16", 0.1, True, True, dh_kernel="ws", h_kernel="ws")
+    assert h[0] is build_bwd_h_kernel and dh[0] is build_bwd_dh_kernel
+    with pytest.raises(ValueError, match="dh_kernel"):
+        bwd_kernel_specs(2, 4, 128, 128, "bfloat16", 0.1, True, True, dh_kernel="fast")
