@@ -369,6 +369,16 @@ def build_fused_fwd_kernel(
             else:
                 T.copy(s_f, ht[n, bhv, :, v0 : v0 + BV])
 
+    return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, threads)
+
+
+def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, threads):
+    """The fused forward's PrimFunc around `body` (the per-CTA walk of one sequence, v-head and
+    V block): the argument list of the SPEC and the grid (NV, sequences, HV). Shared by the
+    single-warpgroup kernel and the warp-specialised one (`tilelang_fwd_ws.py`)."""
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
     h_dims = (V, K) if state_v_first else (K, V)
     N0 = T.dynamic("n_h0")
     NT = T.dynamic("n_ht")

@@ -20,6 +20,7 @@ before the barrier that publishes them.
 """
 
 from .tilelang_common import CHUNK, import_tilelang, tl_dtype
+from .tilelang_fwd import fused_fwd_entry
 
 LOG2E = 1.4426950408889634
 
@@ -172,48 +173,4 @@ def build_fused_fwd_ws_kernel(
                         g_s[s, i] = gc[bb, t0 + T.min(i, L - 1), bhv]
                     T.barrier_arrive(data_ready[s])
 
-    h_dims = (V, K) if state_v_first else (K, V)
-    N0 = T.dynamic("n_h0")
-    NT = T.dynamic("n_ht")
-    threads = 3 * WG
-
-    if is_varlen:
-        Ttot = T.dynamic("num_tokens")
-        N1 = T.dynamic("num_seqs_plus_one")
-
-        @T.prim_func
-        def gdn_fwd_fused_varlen(
-            q: T.Tensor((1, Ttot, H, K), dtype),
-            k: T.Tensor((1, Ttot, H, K), dtype),
-            v: T.Tensor((1, Ttot, HV, V), dtype),
-            ag: T.Tensor((1, Ttot, HV, C), dtype),
-            gc: T.Tensor((1, Ttot, HV), acc),
-            cu_seqlens: T.Tensor((N1,), "int32"),
-            h0: T.Tensor((N0, HV, *h_dims), acc),
-            o: T.Tensor((1, Ttot, HV, V), dtype),
-            ht: T.Tensor((NT, HV, *h_dims), acc),
-        ):
-            with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
-                s0 = cu_seqlens[n]
-                body(q, k, v, ag, gc, h0, o, ht, 0, n, bhv, bv, s0, cu_seqlens[n + 1] - s0)
-
-        return gdn_fwd_fused_varlen
-
-    B = T.dynamic("batch")
-    Tlen = T.dynamic("seq_len")
-
-    @T.prim_func
-    def gdn_fwd_fused(
-        q: T.Tensor((B, Tlen, H, K), dtype),
-        k: T.Tensor((B, Tlen, H, K), dtype),
-        v: T.Tensor((B, Tlen, HV, V), dtype),
-        ag: T.Tensor((B, Tlen, HV, C), dtype),
-        gc: T.Tensor((B, Tlen, HV), acc),
-        h0: T.Tensor((N0, HV, *h_dims), acc),
-        o: T.Tensor((B, Tlen, HV, V), dtype),
-        ht: T.Tensor((NT, HV, *h_dims), acc),
-    ):
-        with T.Kernel(NV, B, HV, threads=threads) as (bv, bb, bhv):
-            body(q, k, v, ag, gc, h0, o, ht, bb, bb, bhv, bv, 0, Tlen)
-
-    return gdn_fwd_fused
+    return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, 3 * WG)
