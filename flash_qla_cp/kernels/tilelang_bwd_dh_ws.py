@@ -20,6 +20,7 @@ are zero past the tensor); every product that could read them is masked: P rows,
 the update reads, and the dvn rows (which zero t's rows too, as Ag's columns >= L are zero).
 """
 
+from .tilelang_bwd_impl import bwd_dh_entry
 from .tilelang_common import CHUNK, import_tilelang, tl_dtype
 
 LOG2E = 1.4426950408889634
@@ -40,152 +41,132 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
     WG = 128
     LOADER_REGS, CONSUMER_REGS = 40, 232
 
-    Ttot = T.dynamic("num_tokens")
-    NC = T.dynamic("num_chunks")
-    N1 = T.dynamic("num_seqs_plus_one")
-    NT = T.dynamic("n_dht")
-    N0 = T.dynamic("n_dh0")
+    @T.macro
+    def walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, bv, n, bhv):
+        bh = bhv // grp
+        v0 = bv * BV
+        s0 = cu_seqlens[n]
+        seq_len = cu_seqlens[n + 1] - s0
+        c_first = chunk_offsets[n]
+        n_chunks = T.ceildiv(seq_len, C)
 
-    @T.prim_func
-    def gdn_bwd_dh(
-        q: T.Tensor((1, Ttot, H, K), dtype),
-        k: T.Tensor((1, Ttot, H, K), dtype),
-        do: T.Tensor((1, Ttot, HV, V), dtype),
-        ag: T.Tensor((1, Ttot, HV, C), dtype),
-        gc: T.Tensor((1, Ttot, HV), acc),
-        cu_seqlens: T.Tensor((N1,), "int32"),
-        chunk_offsets: T.Tensor((N1,), "int32"),
-        dht: T.Tensor((NT, HV, K, V), acc),
-        dh_out: T.Tensor((NC, HV, K, V), dtype),
-        dvn_out: T.Tensor((1, Ttot, HV, V), dtype),
-        dv_out: T.Tensor((1, Ttot, HV, V), dtype),
-        dh0: T.Tensor((N0, HV, K, V), acc),
-    ):
-        with T.Kernel(NV, N1 - 1, HV, threads=3 * WG) as (bv, n, bhv):
-            bh = bhv // grp
-            v0 = bv * BV
-            s0 = cu_seqlens[n]
-            seq_len = cu_seqlens[n + 1] - s0
-            c_first = chunk_offsets[n]
-            n_chunks = T.ceildiv(seq_len, C)
+        # two-stage ring filled by the loader
+        q_s = T.alloc_shared((2, C, K), dtype)
+        k_s = T.alloc_shared((2, C, K), dtype)
+        do_s = T.alloc_shared((2, C, BV), dtype)
+        a_s = T.alloc_shared((2, C, C), dtype)
+        g_s = T.alloc_shared((2, C), acc)
+        # aux -> state (single buffers, released by state_done)
+        pdo_s = T.alloc_shared((C, BV), acc)
+        doe_s = T.alloc_shared((C, BV), dtype)
+        # private to one warpgroup
+        p_s = T.alloc_shared((C, C), dtype)
+        dh_s = T.alloc_shared((K, BV), dtype)
+        dvn_s = T.alloc_shared((C, BV), dtype)
+        tn_s = T.alloc_shared((C, BV), dtype)
 
-            # two-stage ring filled by the loader
-            q_s = T.alloc_shared((2, C, K), dtype)
-            k_s = T.alloc_shared((2, C, K), dtype)
-            do_s = T.alloc_shared((2, C, BV), dtype)
-            a_s = T.alloc_shared((2, C, C), dtype)
-            g_s = T.alloc_shared((2, C), acc)
-            # aux -> state (single buffers, released by state_done)
-            pdo_s = T.alloc_shared((C, BV), acc)
-            doe_s = T.alloc_shared((C, BV), dtype)
-            # private to one warpgroup
-            p_s = T.alloc_shared((C, C), dtype)
-            dh_s = T.alloc_shared((K, BV), dtype)
-            dvn_s = T.alloc_shared((C, BV), dtype)
-            tn_s = T.alloc_shared((C, BV), dtype)
+        ds_f = T.alloc_fragment((K, BV), acc)
+        x_f = T.alloc_fragment((C, BV), acc)
+        t_f = T.alloc_fragment((C, BV), acc)
+        p_f = T.alloc_fragment((C, C), acc)
+        pdo_f = T.alloc_fragment((C, BV), acc)
+        glast = T.alloc_var(acc)
 
-            ds_f = T.alloc_fragment((K, BV), acc)
-            x_f = T.alloc_fragment((C, BV), acc)
-            t_f = T.alloc_fragment((C, BV), acc)
-            p_f = T.alloc_fragment((C, C), acc)
-            pdo_f = T.alloc_fragment((C, BV), acc)
-            glast = T.alloc_var(acc)
+        data_ready = T.alloc_barrier(arrive_count=[32, 32])
+        data_free = T.alloc_barrier(arrive_count=[2 * WG, 2 * WG])
+        aux_ready = T.alloc_barrier(arrive_count=WG)
+        state_done = T.alloc_barrier(arrive_count=WG)
 
-            data_ready = T.alloc_barrier(arrive_count=[32, 32])
-            data_free = T.alloc_barrier(arrive_count=[2 * WG, 2 * WG])
-            aux_ready = T.alloc_barrier(arrive_count=WG)
-            state_done = T.alloc_barrier(arrive_count=WG)
+        tx = T.get_thread_binding()
 
-            tx = T.get_thread_binding()
-
-            if tx < WG:
-                # ---- state warpgroup ----
-                T.set_max_nreg(CONSUMER_REGS, 1)
-                if use_dht:
-                    T.copy(dht[n, bhv, :, v0 : v0 + BV], ds_f)
-                else:
-                    T.clear(ds_f)
+        if tx < WG:
+            # ---- state warpgroup ----
+            T.set_max_nreg(CONSUMER_REGS, 1)
+            if use_dht:
+                T.copy(dht[n, bhv, :, v0 : v0 + BV], ds_f)
+            else:
+                T.clear(ds_f)
+            for cc in T.serial(n_chunks):
+                s = cc % 2
+                c = n_chunks - 1 - cc
+                t0 = s0 + c * C
+                L = T.min(seq_len - c * C, C)
+                T.barrier_wait(data_ready[s], (cc // 2) % 2)
+                # dh of this chunk: the gradient of the state leaving it
+                for i, j in T.Parallel(K, BV):
+                    dh_out[c_first + c, bhv, i, v0 + j] = ds_f[i, j]
+                T.copy(ds_f, dh_s)
+                T.fence_proxy_async()
+                T.gemm(k_s[s, :, :], dh_s, x_f, clear_accum=True)
+                glast = g_s[s, C - 1]  # padding rows repeat the last valid G
+                T.barrier_wait(aux_ready, cc % 2)
+                for i, j in T.Parallel(C, BV):
+                    x_f[i, j] = T.if_then_else(
+                        i < L, x_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E) + pdo_s[i, j], T.float32(0)
+                    )
+                T.copy(x_f, dvn_s)
+                T.fence_proxy_async()
+                for i, j in T.Parallel(C, BV):
+                    if i < L:
+                        dvn_out[0, t0 + i, bhv, v0 + j] = x_f[i, j]
+                # dv = t = Ag^T dvn
+                T.gemm(a_s[s, :, :], dvn_s, t_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, BV):
+                    tn_s[i, j] = -t_f[i, j] * T.exp2(g_s[s, i] * LOG2E)
+                T.fence_proxy_async()
+                for i, j in T.Parallel(C, BV):
+                    if i < L:
+                        dv_out[0, t0 + i, bhv, v0 + j] = t_f[i, j]
+                # dS = exp(GL) dS' + q^T (scale exp(G) dO) - k^T (exp(G) t)
+                for i, j in T.Parallel(K, BV):
+                    ds_f[i, j] = ds_f[i, j] * T.exp2(glast * LOG2E)
+                T.gemm(q_s[s, :, :], doe_s, ds_f, transpose_A=True)
+                T.gemm(k_s[s, :, :], tn_s, ds_f, transpose_A=True)
+                T.barrier_arrive(state_done)
+                T.barrier_arrive(data_free[s])
+            if store_dh0:
+                T.copy(ds_f, dh0[n, bhv, :, v0 : v0 + BV])
+        elif tx < 2 * WG:
+            # ---- aux warpgroup ----
+            T.set_max_nreg(CONSUMER_REGS, 1)
+            for cc in T.serial(n_chunks):
+                s = cc % 2
+                c = n_chunks - 1 - cc
+                L = T.min(seq_len - c * C, C)
+                T.barrier_wait(data_ready[s], (cc // 2) % 2)
+                T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    p_s[i, j] = T.if_then_else(
+                        (i >= j) and (i < L), p_f[i, j] * T.exp2((g_s[s, i] - g_s[s, j]) * LOG2E) * scale,
+                        T.float32(0),
+                    )
+                T.fence_proxy_async()
+                T.gemm(p_s, do_s[s, :, :], pdo_f, transpose_A=True, clear_accum=True)
+                T.barrier_wait(state_done, (cc + 1) % 2)  # chunk cc-1's reads are done
+                T.copy(pdo_f, pdo_s)
+                for i, j in T.Parallel(C, BV):
+                    doe_s[i, j] = T.if_then_else(
+                        i < L, do_s[s, i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale), T.float32(0)
+                    )
+                T.fence_proxy_async()
+                T.barrier_arrive(aux_ready)
+                T.barrier_arrive(data_free[s])
+        else:
+            # ---- loader: one warp issues the loads ----
+            T.set_max_nreg(LOADER_REGS, 0)
+            if tx < 2 * WG + 32:
                 for cc in T.serial(n_chunks):
                     s = cc % 2
                     c = n_chunks - 1 - cc
                     t0 = s0 + c * C
                     L = T.min(seq_len - c * C, C)
-                    T.barrier_wait(data_ready[s], (cc // 2) % 2)
-                    # dh of this chunk: the gradient of the state leaving it
-                    for i, j in T.Parallel(K, BV):
-                        dh_out[c_first + c, bhv, i, v0 + j] = ds_f[i, j]
-                    T.copy(ds_f, dh_s)
-                    T.fence_proxy_async()
-                    T.gemm(k_s[s, :, :], dh_s, x_f, clear_accum=True)
-                    glast = g_s[s, C - 1]  # padding rows repeat the last valid G
-                    T.barrier_wait(aux_ready, cc % 2)
-                    for i, j in T.Parallel(C, BV):
-                        x_f[i, j] = T.if_then_else(
-                            i < L, x_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E) + pdo_s[i, j], T.float32(0)
-                        )
-                    T.copy(x_f, dvn_s)
-                    T.fence_proxy_async()
-                    for i, j in T.Parallel(C, BV):
-                        if i < L:
-                            dvn_out[0, t0 + i, bhv, v0 + j] = x_f[i, j]
-                    # dv = t = Ag^T dvn
-                    T.gemm(a_s[s, :, :], dvn_s, t_f, transpose_A=True, clear_accum=True)
-                    for i, j in T.Parallel(C, BV):
-                        tn_s[i, j] = -t_f[i, j] * T.exp2(g_s[s, i] * LOG2E)
-                    T.fence_proxy_async()
-                    for i, j in T.Parallel(C, BV):
-                        if i < L:
-                            dv_out[0, t0 + i, bhv, v0 + j] = t_f[i, j]
-                    # dS = exp(GL) dS' + q^T (scale exp(G) dO) - k^T (exp(G) t)
-                    for i, j in T.Parallel(K, BV):
-                        ds_f[i, j] = ds_f[i, j] * T.exp2(glast * LOG2E)
-                    T.gemm(q_s[s, :, :], doe_s, ds_f, transpose_A=True)
-                    T.gemm(k_s[s, :, :], tn_s, ds_f, transpose_A=True)
-                    T.barrier_arrive(state_done)
-                    T.barrier_arrive(data_free[s])
-                if store_dh0:
-                    T.copy(ds_f, dh0[n, bhv, :, v0 : v0 + BV])
-            elif tx < 2 * WG:
-                # ---- aux warpgroup ----
-                T.set_max_nreg(CONSUMER_REGS, 1)
-                for cc in T.serial(n_chunks):
-                    s = cc % 2
-                    c = n_chunks - 1 - cc
-                    L = T.min(seq_len - c * C, C)
-                    T.barrier_wait(data_ready[s], (cc // 2) % 2)
-                    T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        p_s[i, j] = T.if_then_else(
-                            (i >= j) and (i < L), p_f[i, j] * T.exp2((g_s[s, i] - g_s[s, j]) * LOG2E) * scale,
-                            T.float32(0),
-                        )
-                    T.fence_proxy_async()
-                    T.gemm(p_s, do_s[s, :, :], pdo_f, transpose_A=True, clear_accum=True)
-                    T.barrier_wait(state_done, (cc + 1) % 2)  # chunk cc-1's reads are done
-                    T.copy(pdo_f, pdo_s)
-                    for i, j in T.Parallel(C, BV):
-                        doe_s[i, j] = T.if_then_else(
-                            i < L, do_s[s, i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale), T.float32(0)
-                        )
-                    T.fence_proxy_async()
-                    T.barrier_arrive(aux_ready)
-                    T.barrier_arrive(data_free[s])
-            else:
-                # ---- loader: one warp issues the loads ----
-                T.set_max_nreg(LOADER_REGS, 0)
-                if tx < 2 * WG + 32:
-                    for cc in T.serial(n_chunks):
-                        s = cc % 2
-                        c = n_chunks - 1 - cc
-                        t0 = s0 + c * C
-                        L = T.min(seq_len - c * C, C)
-                        T.barrier_wait(data_free[s], (cc // 2 + 1) % 2)
-                        T.tma_copy(q[0, t0 : t0 + C, bh, :], q_s[s, :, :], barrier=data_ready[s])
-                        T.tma_copy(k[0, t0 : t0 + C, bh, :], k_s[s, :, :], barrier=data_ready[s])
-                        T.tma_copy(do[0, t0 : t0 + C, bhv, v0 : v0 + BV], do_s[s, :, :], barrier=data_ready[s])
-                        T.tma_copy(ag[0, t0 : t0 + C, bhv, :], a_s[s, :, :], barrier=data_ready[s])
-                        for i in T.Parallel(C):
-                            g_s[s, i] = gc[0, t0 + T.min(i, L - 1), bhv]
-                        T.barrier_arrive(data_ready[s])
+                    T.barrier_wait(data_free[s], (cc // 2 + 1) % 2)
+                    T.tma_copy(q[0, t0 : t0 + C, bh, :], q_s[s, :, :], barrier=data_ready[s])
+                    T.tma_copy(k[0, t0 : t0 + C, bh, :], k_s[s, :, :], barrier=data_ready[s])
+                    T.tma_copy(do[0, t0 : t0 + C, bhv, v0 : v0 + BV], do_s[s, :, :], barrier=data_ready[s])
+                    T.tma_copy(ag[0, t0 : t0 + C, bhv, :], a_s[s, :, :], barrier=data_ready[s])
+                    for i in T.Parallel(C):
+                        g_s[s, i] = gc[0, t0 + T.min(i, L - 1), bhv]
+                    T.barrier_arrive(data_ready[s])
 
-    return gdn_bwd_dh
+    return bwd_dh_entry(walk, H, HV, K, V, dtype, NV, 3 * WG)

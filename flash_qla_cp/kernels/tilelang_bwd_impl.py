@@ -83,11 +83,6 @@ def build_bwd_h_kernel(H: int, HV: int, K: int, V: int, dtype: str, use_initial_
     assert HV % H == 0 and V % BV == 0 and BV % 16 == 0
     NV = V // BV
 
-    Ttot = T.dynamic("num_tokens")
-    NC = T.dynamic("num_chunks")
-    N1 = T.dynamic("num_seqs_plus_one")
-    N0 = T.dynamic("n_h0")
-
     @T.macro
     def load_full(k, v, ag, gc, k_s, v_s, a_s, g_s, t0, bh, bhv, v0):
         T.copy(k[0, t0 : t0 + C, bh, :], k_s)
@@ -129,6 +124,59 @@ def build_bwd_h_kernel(H: int, HV: int, K: int, V: int, dtype: str, use_initial_
             s_f[i, d] = s_f[i, d] * T.exp2(glast * LOG2E)
         T.gemm(k_s, vn_s, s_f, transpose_A=True)
 
+    @T.macro
+    def walk(k, v, ag, gc, cu_seqlens, chunk_offsets, h0, h_out, vres_out, bv, n, bhv):
+        bh = bhv // grp
+        v0 = bv * BV
+        s0 = cu_seqlens[n]
+        seq_len = cu_seqlens[n + 1] - s0
+        c_first = chunk_offsets[n]
+
+        k_s = T.alloc_shared((C, K), dtype)
+        v_s = T.alloc_shared((C, BV), dtype)
+        a_s = T.alloc_shared((C, C), dtype)
+        g_s = T.alloc_shared((C,), acc)
+        h_s = T.alloc_shared((K, BV), dtype)
+        vr_s = T.alloc_shared((C, BV), dtype)
+        vn_s = T.alloc_shared((C, BV), dtype)
+
+        s_f = T.alloc_fragment((K, BV), acc)
+        x_f = T.alloc_fragment((C, BV), acc)
+        vn_f = T.alloc_fragment((C, BV), acc)
+        glast = T.alloc_var(acc)
+
+        if use_initial_state:
+            T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
+        else:
+            T.clear(s_f)
+
+        for c in T.serial(T.ceildiv(seq_len, C)):
+            t0 = s0 + c * C
+            L = T.min(seq_len - c * C, C)
+            if L == C:
+                load_full(k, v, ag, gc, k_s, v_s, a_s, g_s, t0, bh, bhv, v0)
+                step(h_out, vres_out, k_s, v_s, a_s, g_s, h_s, vr_s, vn_s, s_f, x_f, vn_f, glast,
+                     c_first + c, t0, C, bhv, v0, True)
+            else:
+                load_partial(k, v, ag, gc, k_s, v_s, a_s, g_s, t0, L, bh, bhv, v0)
+                step(h_out, vres_out, k_s, v_s, a_s, g_s, h_s, vr_s, vn_s, s_f, x_f, vn_f, glast,
+                     c_first + c, t0, L, bhv, v0, False)
+
+    return bwd_h_entry(walk, H, HV, K, V, dtype, NV, threads)
+
+
+def bwd_h_entry(walk, H, HV, K, V, dtype, NV, threads):
+    """PrimFunc `gdn_bwd_h` (the h walk's argument list, grid (NV, N, HV)) around `walk`, a
+    T.macro (k, v, ag, gc, cu_seqlens, chunk_offsets, h0, h_out, vres_out, bv, n, bhv).
+    Shared by the serial and the warp-specialised (`tilelang_bwd_h_ws.py`) kernels."""
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
+    Ttot = T.dynamic("num_tokens")
+    NC = T.dynamic("num_chunks")
+    N1 = T.dynamic("num_seqs_plus_one")
+    N0 = T.dynamic("n_h0")
+
     @T.prim_func
     def gdn_bwd_h(
         k: T.Tensor((1, Ttot, H, K), dtype),
@@ -142,41 +190,7 @@ def build_bwd_h_kernel(H: int, HV: int, K: int, V: int, dtype: str, use_initial_
         vres_out: T.Tensor((1, Ttot, HV, V), dtype),
     ):
         with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
-            bh = bhv // grp
-            v0 = bv * BV
-            s0 = cu_seqlens[n]
-            seq_len = cu_seqlens[n + 1] - s0
-            c_first = chunk_offsets[n]
-
-            k_s = T.alloc_shared((C, K), dtype)
-            v_s = T.alloc_shared((C, BV), dtype)
-            a_s = T.alloc_shared((C, C), dtype)
-            g_s = T.alloc_shared((C,), acc)
-            h_s = T.alloc_shared((K, BV), dtype)
-            vr_s = T.alloc_shared((C, BV), dtype)
-            vn_s = T.alloc_shared((C, BV), dtype)
-
-            s_f = T.alloc_fragment((K, BV), acc)
-            x_f = T.alloc_fragment((C, BV), acc)
-            vn_f = T.alloc_fragment((C, BV), acc)
-            glast = T.alloc_var(acc)
-
-            if use_initial_state:
-                T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
-            else:
-                T.clear(s_f)
-
-            for c in T.serial(T.ceildiv(seq_len, C)):
-                t0 = s0 + c * C
-                L = T.min(seq_len - c * C, C)
-                if L == C:
-                    load_full(k, v, ag, gc, k_s, v_s, a_s, g_s, t0, bh, bhv, v0)
-                    step(h_out, vres_out, k_s, v_s, a_s, g_s, h_s, vr_s, vn_s, s_f, x_f, vn_f, glast,
-                         c_first + c, t0, C, bhv, v0, True)
-                else:
-                    load_partial(k, v, ag, gc, k_s, v_s, a_s, g_s, t0, L, bh, bhv, v0)
-                    step(h_out, vres_out, k_s, v_s, a_s, g_s, h_s, vr_s, vn_s, s_f, x_f, vn_f, glast,
-                         c_first + c, t0, L, bhv, v0, False)
+            walk(k, v, ag, gc, cu_seqlens, chunk_offsets, h0, h_out, vres_out, bv, n, bhv)
 
     return gdn_bwd_h
 
@@ -196,12 +210,6 @@ def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: floa
     assert HV % H == 0 and V % BV == 0 and BV % 16 == 0
     NV = V // BV
     scale = float(scale)
-
-    Ttot = T.dynamic("num_tokens")
-    NC = T.dynamic("num_chunks")
-    N1 = T.dynamic("num_seqs_plus_one")
-    NT = T.dynamic("n_dht")
-    N0 = T.dynamic("n_dh0")
 
     @T.macro
     def load_full(q, k, do, ag, gc, q_s, k_s, do_s, a_s, g_s, t0, bh, bhv, v0):
@@ -264,6 +272,71 @@ def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: floa
         T.gemm(qe_s, do_s, ds_f, transpose_A=True)
         T.gemm(ke_s, tn_s, ds_f, transpose_A=True)
 
+    @T.macro
+    def walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, bv, n, bhv):
+        bh = bhv // grp
+        v0 = bv * BV
+        s0 = cu_seqlens[n]
+        seq_len = cu_seqlens[n + 1] - s0
+        c_first = chunk_offsets[n]
+        n_chunks = T.ceildiv(seq_len, C)
+
+        q_s = T.alloc_shared((C, K), dtype)
+        k_s = T.alloc_shared((C, K), dtype)
+        do_s = T.alloc_shared((C, BV), dtype)
+        a_s = T.alloc_shared((C, C), dtype)
+        g_s = T.alloc_shared((C,), acc)
+        qe_s = T.alloc_shared((C, K), dtype)
+        ke_s = T.alloc_shared((C, K), dtype)
+        kd_s = T.alloc_shared((C, K), dtype)
+        p_s = T.alloc_shared((C, C), dtype)
+        dh_s = T.alloc_shared((K, BV), dtype)
+        dvn_s = T.alloc_shared((C, BV), dtype)
+        tn_s = T.alloc_shared((C, BV), dtype)
+
+        ds_f = T.alloc_fragment((K, BV), acc)
+        p_f = T.alloc_fragment((C, C), acc)
+        dvn_f = T.alloc_fragment((C, BV), acc)
+        t_f = T.alloc_fragment((C, BV), acc)
+        glast = T.alloc_var(acc)
+
+        if use_dht:
+            T.copy(dht[n, bhv, :, v0 : v0 + BV], ds_f)
+        else:
+            T.clear(ds_f)
+
+        for cc in T.serial(n_chunks):
+            c = n_chunks - 1 - cc
+            t0 = s0 + c * C
+            L = T.min(seq_len - c * C, C)
+            if L == C:
+                load_full(q, k, do, ag, gc, q_s, k_s, do_s, a_s, g_s, t0, bh, bhv, v0)
+                step(dh_out, dvn_out, dv_out, q_s, k_s, do_s, a_s, g_s, qe_s, ke_s, kd_s, p_s, dh_s,
+                     dvn_s, tn_s, ds_f, p_f, dvn_f, t_f, glast, c_first + c, t0, C, bhv, v0, True)
+            else:
+                load_partial(q, k, do, ag, gc, q_s, k_s, do_s, a_s, g_s, t0, L, bh, bhv, v0)
+                step(dh_out, dvn_out, dv_out, q_s, k_s, do_s, a_s, g_s, qe_s, ke_s, kd_s, p_s, dh_s,
+                     dvn_s, tn_s, ds_f, p_f, dvn_f, t_f, glast, c_first + c, t0, L, bhv, v0, False)
+
+        if store_dh0:
+            T.copy(ds_f, dh0[n, bhv, :, v0 : v0 + BV])
+
+    return bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads)
+
+
+def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads):
+    """PrimFunc `gdn_bwd_dh` (the dh walk's argument list, grid (NV, N, HV)) around `walk`, a
+    T.macro (q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0,
+    bv, n, bhv). Shared by the serial and the warp-specialised (`tilelang_bwd_dh_ws.py`) kernels."""
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
+    Ttot = T.dynamic("num_tokens")
+    NC = T.dynamic("num_chunks")
+    N1 = T.dynamic("num_seqs_plus_one")
+    NT = T.dynamic("n_dht")
+    N0 = T.dynamic("n_dh0")
+
     @T.prim_func
     def gdn_bwd_dh(
         q: T.Tensor((1, Ttot, H, K), dtype),
@@ -280,52 +353,7 @@ def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: floa
         dh0: T.Tensor((N0, HV, K, V), acc),
     ):
         with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
-            bh = bhv // grp
-            v0 = bv * BV
-            s0 = cu_seqlens[n]
-            seq_len = cu_seqlens[n + 1] - s0
-            c_first = chunk_offsets[n]
-            n_chunks = T.ceildiv(seq_len, C)
-
-            q_s = T.alloc_shared((C, K), dtype)
-            k_s = T.alloc_shared((C, K), dtype)
-            do_s = T.alloc_shared((C, BV), dtype)
-            a_s = T.alloc_shared((C, C), dtype)
-            g_s = T.alloc_shared((C,), acc)
-            qe_s = T.alloc_shared((C, K), dtype)
-            ke_s = T.alloc_shared((C, K), dtype)
-            kd_s = T.alloc_shared((C, K), dtype)
-            p_s = T.alloc_shared((C, C), dtype)
-            dh_s = T.alloc_shared((K, BV), dtype)
-            dvn_s = T.alloc_shared((C, BV), dtype)
-            tn_s = T.alloc_shared((C, BV), dtype)
-
-            ds_f = T.alloc_fragment((K, BV), acc)
-            p_f = T.alloc_fragment((C, C), acc)
-            dvn_f = T.alloc_fragment((C, BV), acc)
-            t_f = T.alloc_fragment((C, BV), acc)
-            glast = T.alloc_var(acc)
-
-            if use_dht:
-                T.copy(dht[n, bhv, :, v0 : v0 + BV], ds_f)
-            else:
-                T.clear(ds_f)
-
-            for cc in T.serial(n_chunks):
-                c = n_chunks - 1 - cc
-                t0 = s0 + c * C
-                L = T.min(seq_len - c * C, C)
-                if L == C:
-                    load_full(q, k, do, ag, gc, q_s, k_s, do_s, a_s, g_s, t0, bh, bhv, v0)
-                    step(dh_out, dvn_out, dv_out, q_s, k_s, do_s, a_s, g_s, qe_s, ke_s, kd_s, p_s, dh_s,
-                         dvn_s, tn_s, ds_f, p_f, dvn_f, t_f, glast, c_first + c, t0, C, bhv, v0, True)
-                else:
-                    load_partial(q, k, do, ag, gc, q_s, k_s, do_s, a_s, g_s, t0, L, bh, bhv, v0)
-                    step(dh_out, dvn_out, dv_out, q_s, k_s, do_s, a_s, g_s, qe_s, ke_s, kd_s, p_s, dh_s,
-                         dvn_s, tn_s, ds_f, p_f, dvn_f, t_f, glast, c_first + c, t0, L, bhv, v0, False)
-
-            if store_dh0:
-                T.copy(ds_f, dh0[n, bhv, :, v0 : v0 + BV])
+            walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, bv, n, bhv)
 
     return gdn_bwd_dh
 
