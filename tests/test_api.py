@@ -66,6 +66,26 @@ def test_fwd_bwd_split_equals_autograd():
         assert rel_err(got, leaf.grad) < 1e-12
 
 
+def test_tilelang_backward_is_the_default_and_env_zero_opts_out(monkeypatch):
+    # a forward context that says it came from the TileLang backend (CPU tensors: the kernel
+    # backward itself is replaced by a marker, only the dispatch is under test)
+    from flash_qla_cp import ops
+
+    x = _inputs(5, seq_len=40, num_heads=2, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+    o, _, ctx = chunk_gated_delta_rule_fwd(**x)
+    ctx.backend = "tilelang"
+    monkeypatch.setattr(ops, "_tilelang_bwd", lambda do, dht, ctx: "tilelang kernels")
+    do = torch.randn_like(o)
+    monkeypatch.delenv("FLASH_QLA_CP_TILELANG_BWD", raising=False)
+    assert chunk_gated_delta_rule_bwd(do, None, ctx) == "tilelang kernels"
+    monkeypatch.setenv("FLASH_QLA_CP_TILELANG_BWD", "0")
+    grads = chunk_gated_delta_rule_bwd(do, None, ctx)  # the torch chunked path's autograd
+    leaves = _leaves(x)
+    (chunk_gated_delta_rule(**leaves)[0] * do).sum().backward()
+    for got, name in zip(grads, NAMES):
+        assert rel_err(got, leaves[name].grad) < 1e-12
+
+
 def test_l2norm_option_equals_normalising_first():
     x = _inputs(4, seq_len=65, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
     raw = dict(x, q=x["q"] * 3.0, k=x["k"] * 0.5)

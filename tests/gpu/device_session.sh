@@ -7,7 +7,9 @@
 #
 # Phases: check_fwd check_bwd check_split check_cp bench tune_split profile long_seq. SHAPES / LIBS narrow the
 # benchmark (SHAPES / PARTS the split sweep);
-# CP_CHECKS the CP checks (intra, inter); SEQ_LENS the long-sequence ladder (with activation checkpointing).
+# CP_CHECKS the CP checks (intra, inter); CHECK_BWD_ARGS check_bwd.py's options (default
+# "--quick --no-bench"; e.g. "--no-bench --h-kernel ws"); SEQ_LENS the long-sequence ladder
+# (with activation checkpointing).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 tar -xJf .device/site.tar.xz -C /tmp || exit 1
@@ -21,7 +23,8 @@ for phase in "$@"; do
   echo "== $phase $(date -u +%T)"
   case $phase in
     check_fwd) timeout 300 python tests/gpu/check_fwd.py --quick --out "$OUT/check_fwd" 2>&1 | grep -v TileLang | tail -20 ;;
-    check_bwd) timeout 400 python tests/gpu/check_bwd.py --quick --no-bench --out "$OUT/check_bwd" 2>&1 | grep -v TileLang | tail -20 ;;
+    check_bwd) timeout "${CHECK_TIMEOUT:-400}" python tests/gpu/check_bwd.py ${CHECK_BWD_ARGS:---quick --no-bench} \
+                 --out "$OUT/check_bwd" 2>&1 | grep -v TileLang | tail -20 ;;
     check_split) timeout "${CHECK_TIMEOUT:-400}" python tests/gpu/check_split.py 2>&1 | grep -v TileLang | tee "$OUT/check_split.log" | cut -c1-700 ;;
     tune_split) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/tune_split.py --out "$OUT/tune_split" \
                   ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} 2>&1 | grep '^{' | cut -c1-300 ;;
