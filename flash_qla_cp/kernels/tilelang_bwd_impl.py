@@ -607,13 +607,14 @@ def default_block_v(V: int) -> int:
 # warpgroup). Each pair has one contract. The ws h walk passed only the three quick cases of
 # tests/gpu/check_bwd.py so far (H200: backward 5.64 -> 5.25 ms at 1 x 32k with it): serial
 # stays the default until the full check has run.
+WALK_KERNELS = ("serial", "ws")
 DEFAULT_H_KERNEL = "serial"
 DEFAULT_DH_KERNEL = "ws"
 
 
 def _walk_choice(name, value):
-    if value not in ("ws", "serial"):
-        raise ValueError(f"{name} must be 'ws' or 'serial', got {value!r}")
+    if value not in WALK_KERNELS:
+        raise ValueError(f"{name} must be one of {WALK_KERNELS}, got {value!r}")
     return value
 
 

@@ -159,9 +159,6 @@ def specs_for(kw):
     return out
 
 
-DH_KERNELS = ("serial", "ws")  # the walks timed side by side in bench()
-
-
 def peer_errors():
     """Gradient errors of FlashQLA against float64 on a small case with a g = 0 head (context for ours)."""
     from flash_qla.ops.gated_delta_rule import chunk_gated_delta_rule as fq
@@ -209,7 +206,7 @@ def bench(results, budget_s):
     out["ours_fwd_ms"] = tt.do_bench(fwd, warmup=50, rep=300, return_mode="median")
     out["ours_bwd_ms"] = tt.do_bench(bwd_only, warmup=50, rep=300, return_mode="median")
     out["ours_fwd_bwd_ms"] = tt.do_bench(fwd_bwd, warmup=50, rep=300, return_mode="median")
-    for walk in DH_KERNELS:  # both walks serial, then both warp-specialised
+    for walk in bwd.WALK_KERNELS:  # both walks serial, then both warp-specialised
         def variant(walk=walk):
             return bwd.tilelang_chunk_gated_delta_rule_bwd(do, None, q, k, v, g, beta, scale, None, None, saved,
                                                            dh_kernel=walk, h_kernel=walk)
@@ -278,8 +275,8 @@ def main():
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--bench-only", action="store_true", help="skip the correctness cases")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which optional parts are skipped")
-    ap.add_argument("--dh-kernel", default=None, choices=DH_KERNELS, help="the dh walk the checks use")
-    ap.add_argument("--h-kernel", default=None, choices=DH_KERNELS, help="the h walk the checks use")
+    ap.add_argument("--dh-kernel", default=None, choices=bwd.WALK_KERNELS, help="the dh walk the checks use")
+    ap.add_argument("--h-kernel", default=None, choices=bwd.WALK_KERNELS, help="the h walk the checks use")
     args = ap.parse_args()
     if args.dh_kernel:
         bwd.DEFAULT_DH_KERNEL = args.dh_kernel
@@ -300,7 +297,7 @@ def main():
         from flash_qla_cp.kernels.tilelang_fwd import fwd_kernel_specs
 
         specs += bwd.bwd_kernel_specs(16, 32, 128, 128, torch.bfloat16, 128**-0.5, False, False)
-        for walk in DH_KERNELS:
+        for walk in bwd.WALK_KERNELS:
             specs += bwd.bwd_kernel_specs(16, 32, 128, 128, torch.bfloat16, 128**-0.5, False, False,
                                           dh_kernel=walk, h_kernel=walk)
         for hh, hv in ((4, 4), (2, 4)):
