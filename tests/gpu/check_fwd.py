@@ -154,6 +154,9 @@ CASES = [
                                cfg={"warp_specialized": True, "block_v": 64})),
     ("ws_bv64_dense_T8192", dict(B=1, T=8192, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16,
                                  cfg={"warp_specialized": True, "block_v": 64})),
+    ("ws_bv128_varlen_odd", dict(B=1, T=1000, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                 cu=[0, 1, 65, 200, 777, 1000],
+                                 cfg={"warp_specialized": True, "block_v": 128})),
 ]
 
 
