@@ -54,7 +54,8 @@ def main():
                                                                partitions=parts)
 
                 saved = fwd()[2]
-                row["parts_used"] = (len(saved["split"]["part_cu"]) - 1) if "split" in saved else 1
+                row["parts_used"] = saved["partitions"]
+                row["backward_split"] = "split" in saved
                 row["fwd_ms"] = triton.testing.do_bench(fwd, rep=args.rep, return_mode="median")
                 if not args.no_bwd:
                     def fwdbwd():

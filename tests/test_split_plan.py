@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from flash_qla_cp.kernels.tilelang_common import CHUNK, chunk_table, kernel_operand
-from flash_qla_cp.kernels.tilelang_split import auto_partitions, host_chunk_table, plan_split
+from flash_qla_cp.kernels.tilelang_split import (
+    WARMUP_LOG_DECAY,
+    auto_partitions,
+    host_chunk_table,
+    plan_split,
+    warmup_starts,
+)
+from flash_qla_cp.parallel.transition import segment_transitions
+from flash_qla_cp.testing import make_gdn_inputs
 
 
 @pytest.mark.parametrize("cu", [[0, 5, 5, 200, 1000, 1001], [0, 64, 128], [0, 0], [0, 4096 * 3 + 17]])
@@ -49,8 +57,84 @@ def test_auto_splits_only_when_sms_would_idle():
     assert p > 1 and 512 // p >= 16
     # many heads and sequences already fill the GPU -> no split
     assert auto_partitions(512, num_seqs=8, HV=32, V=128, sms=132) == 1
+    assert auto_partitions(128, num_seqs=4, HV=32, V=128, sms=132) == 1
     # too short to pay for the summary pass
     assert auto_partitions(20, num_seqs=1, HV=4, V=128, sms=132) == 1
+    # TP1 (32 v-heads, one sequence): 64 CTAs of 64-wide V tiles -> two partitions fill the SMs
+    assert auto_partitions(512, num_seqs=1, HV=32, V=128, sms=132) == 2
+
+
+def test_backward_splits_only_on_tiny_grids():
+    """The forward's split is cheap (warm-up); the backward's is not, so TP1 splits the forward only."""
+    tp1 = plan_split([0, 32768], HV=32, V=128, parts="auto", sms=132)
+    assert tp1.num_parts == 2 and not tp1.split_backward
+    tp8 = plan_split([0, 32768], HV=4, V=128, parts="auto", sms=132)
+    assert tp8.num_parts > 2 and tp8.split_backward
+    assert plan_split([0, 32768], HV=32, V=128, parts=4).split_backward  # an explicit P splits both
+
+
+def _chunk_local_cumsum(g, cu):
+    """The prepare kernel's G: cumulative sum of g inside each 64-token chunk of each sequence."""
+    out = torch.empty_like(g)
+    for a, b in zip(cu, cu[1:]):
+        for c in range(a, b, CHUNK):
+            out[:, c : min(c + CHUNK, b)] = g[:, c : min(c + CHUNK, b)].cumsum(1)
+    return out
+
+
+def _gates(T, rates, seed):
+    gen = torch.Generator().manual_seed(seed)
+    soft = torch.nn.functional.softplus(torch.randn(1, T, len(rates), generator=gen, dtype=torch.float64))
+    return -torch.tensor(rates, dtype=torch.float64) * soft
+
+
+def test_warmup_starts_are_the_last_chunk_with_enough_decay():
+    cu = [0, 64 * 37 + 5, 64 * 37 + 5, 64 * 37 + 5 + 64 * 20]  # with an empty sequence
+    plan = plan_split(cu, HV=3, V=128, parts=3)
+    assert plan.num_parts == 7
+    # slow (about -0.7 per chunk: several chunks of warm-up), fast, and g = 0 (never decays)
+    g = _gates(cu[-1], [0.03, 1.0, 0.0], seed=0)
+    starts = warmup_starts(_chunk_local_cumsum(g, cu).float(), plan)
+    assert starts.shape == (plan.num_parts, 3) and starts.dtype == torch.int32
+    for p in range(plan.num_parts):
+        a, b = plan.part_cu[p], plan.part_cu[p + 1]
+        for h in range(3):
+            # brute force: decay from chunk c to the partition's end, c counted from the partition start
+            tails = [g[0, a + c * CHUNK : b, h].sum().item() for c in range(-(-(b - a) // CHUNK))]
+            ok = [c for c, t in enumerate(tails) if t < WARMUP_LOG_DECAY]
+            assert starts[p, h].item() == (max(ok) if ok else -1), (p, h)
+    assert (starts[:, 2] == -1).all()  # g = 0: no shortcut
+    nonempty = torch.tensor([b > a for a, b in zip(plan.part_cu, plan.part_cu[1:])])
+    assert (starts[nonempty, 1] >= 0).all() and (starts[nonempty, 1] > 0).any() and (starts[~nonempty] == -1).all()
+    assert (starts[:, 0] >= 1).any() and (starts[:, 0] == -1).any()  # slow: long warm-ups, or none
+
+
+def test_warmup_walk_gives_the_partition_summary():
+    """h from a zero state over the chunks from the warm-up start equals the whole partition's h
+    (the dropped part is damped below exp(WARMUP_LOG_DECAY)), and M is that small too."""
+    T, HV = 64 * 48, 2
+    x = make_gdn_inputs(seq_len=T, num_heads=1, num_v_heads=HV, head_k_dim=32, head_v_dim=32,
+                        strong_decay_heads=0, zero_gate_heads=0, generator=torch.Generator().manual_seed(3))
+    x["g"] = _gates(T, [0.004, 0.02], seed=4)  # warm-ups of a few to tens of chunks
+    plan = plan_split([0, T], HV=HV, V=32, parts=2)
+    starts = warmup_starts(_chunk_local_cumsum(x["g"], [0, T]).float(), plan)
+    checked = 0
+    for p in range(plan.num_parts):
+        a, b = plan.part_cu[p], plan.part_cu[p + 1]
+        sl = {n: t[:, a:b] for n, t in x.items()}
+        M, h = segment_transitions(sl["k"], sl["v"], sl["g"], sl["beta"], cu_seqlens=torch.tensor([0, b - a]))
+        for hv in range(HV):
+            s = starts[p, hv].item()
+            if s < 0:
+                continue
+            tl = {n: t[:, a + s * CHUNK : b] for n, t in x.items()}
+            _, h_warm = segment_transitions(tl["k"], tl["v"], tl["g"], tl["beta"],
+                                            cu_seqlens=torch.tensor([0, b - a - s * CHUNK]))
+            scale = h[0, hv].norm()
+            assert (h_warm[0, hv] - h[0, hv]).norm() <= 1e-6 * scale
+            assert M[0, hv].norm() <= 1e-6
+            checked += 1
+    assert checked >= 2 and (starts > 0).any()
 
 
 def test_trivial_plan_when_nothing_is_cut():

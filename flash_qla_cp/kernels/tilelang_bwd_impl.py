@@ -604,11 +604,14 @@ def default_block_v(V: int) -> int:
 
 # Which h and dh walks the backward runs: "ws" (tilelang_bwd_h_ws.py / tilelang_bwd_dh_ws.py:
 # warp-specialised, TMA-fed) or "serial" (build_bwd_h_kernel / build_bwd_dh_kernel above, one
-# warpgroup). Each pair has one contract. The ws h walk passed only the three quick cases of
-# tests/gpu/check_bwd.py so far (H200: backward 5.64 -> 5.25 ms at 1 x 32k with it): serial
-# stays the default until the full check has run.
+# warpgroup). Each pair has one contract. Both ws walks pass every case of
+# tests/gpu/check_bwd.py (tests/gpu/results/check_bwd_ws_h_h200.json). H200: the ws h walk
+# takes 1.19 ms instead of 1.58 at TP1 1 x 32k (whole sequences), but over the split
+# backward's many short partitions (TP8 1 x 32k, 32 x 16 chunks) fwd+bwd went 1.65 -> 1.90 ms
+# with it, so the split backward keeps the serial h walk (SPLIT_H_KERNEL).
 WALK_KERNELS = ("serial", "ws")
-DEFAULT_H_KERNEL = "serial"
+DEFAULT_H_KERNEL = "ws"
+SPLIT_H_KERNEL = "serial"
 DEFAULT_DH_KERNEL = "ws"
 
 
@@ -767,6 +770,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     NC = int(ctab.shape[0])
 
     use_h0 = user_h0 or split is not None
+    if h_kernel is None and split is not None:
+        h_kernel = SPLIT_H_KERNEL
     specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht or split is not None, block_v, dh_kernel,
                              h_kernel)
     k_h, k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs)

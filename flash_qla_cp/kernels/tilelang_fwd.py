@@ -24,9 +24,11 @@ dict (all tensors contiguous, token-major like the inputs):
     saved["chunk_table"]: [NC, 2] int32  (sequence, chunk-in-sequence) per chunk, varlen only
     saved["cu_seqlens"] : int32 cu_seqlens or None
     saved["scale"], saved["state_v_first"] : python values
-    saved["split"]    : only when sequences were cut into partitions (`tilelang_split`):
-                        part_cu, part_chunk_table, seq_parts, first_parts, S_in (state entering
-                        each partition, fp32 [NP, HV, K, V]) and M (transition of each partition)
+    saved["partitions"]: int, how many partitions the fused kernel walked (N when unsplit)
+    saved["split"]    : only when the backward runs over the partitions too (`tilelang_split`,
+                        `SplitPlan.split_backward`): part_cu, part_chunk_table, seq_parts,
+                        first_parts, S_in (state entering each partition, fp32 [NP, HV, K, V])
+                        and M (transition of each partition)
 
 The chunk states h (state before each chunk) are not stored by the forward; the backward
 recomputes them (one pass of the fused kernel with `store_h`, or its own kernel).
@@ -586,9 +588,12 @@ def tilelang_chunk_gated_delta_rule_fwd(
         cfg["block_v"] = int(block_v)
     if "block_v" not in cfg:  # the fused kernel's grid runs over partitions when split
         cfg.update(default_fused_config(plan.num_parts if plan else N, HV, V, _sm_count(q.device), K=K))
+    saved["partitions"] = plan.num_parts if plan is not None else N
     if plan is not None:
-        o, final, saved["split"] = _split_forward(q, k, v, ag, g_cum, float(scale), initial_state,
-                                                  output_final_state, state_v_first, plan, cfg)
+        o, final, split = _split_forward(q, k, v, ag, g_cum, float(scale), initial_state, output_final_state,
+                                         state_v_first, plan, cfg)
+        if plan.split_backward:  # else the backward walks the whole sequences from the initial state
+            saved["split"] = split
         return o, final, saved
 
     sdims = (V, K) if state_v_first else (K, V)
@@ -628,7 +633,7 @@ def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state,
     qf, kf, vf, agf, gf = (x.reshape(1, B * Tn, *x.shape[2:]) for x in (q, k, v, ag, g_cum))
 
     idx = plan.device_tensors(dev)
-    h_part, m_part = state_summaries(kf, vf, agf, gf, plan)
+    h_part, m_part, _ = state_summaries(kf, vf, agf, gf, plan)
     if initial_state is not None:
         h0 = state_kv_layout(initial_state, state_v_first)
         assert tuple(h0.shape) == (N, HV, K, V), f"initial_state must hold {N} states"

@@ -8,6 +8,10 @@ side by side as if they were separate sequences:
    S_out = M S_in + h, from a zero start. h is the recurrence on v; M is the same recurrence
    run on the identity with zero input (columns of [h | M] are independent, so the grid
    covers V + K columns in blocks). No q and no output: three GEMMs per chunk.
+   Warm-up shortcut (`warmup_starts`, per partition and v-head): where the gates decay by more
+   than WARMUP_LOG_DECAY over the partition's last chunks, whatever entered before them is
+   damped below fp32 resolution, so h walks only those chunks and M is 0. With real gates
+   that is a chunk or a few, so the split costs little beyond the scan.
 2. `build_partition_scan_kernel`: per sequence, S_in(p + 1) = M_p S_in(p) + h_p on the GPU
    (fp32 state, tf32 products), P - 1 steps. The backward runs the same kernel in reverse
    with M^T: dS_out(p - 1) = M_p^T dS_out(p) + dS_local(p).
@@ -30,12 +34,18 @@ from .tilelang_common import CHUNK, compile_kernel, import_tilelang, kernel_oper
 LOG2E = 1.4426950408889634
 MIN_CHUNKS_PER_PART = 16  # shorter partitions spend more on the summary pass than they save
 MAX_PARTS = 64
+# A state damped by exp(-16) ~ 1.1e-7 (the fp32 resolution) may be dropped. The bound
+# ||prod_c exp(g_c) (I - beta k k^T)|| <= exp(sum g) needs unit-norm k and beta in [0, 2], which
+# the layer provides (l2-normalised q / k, sigmoid beta); g <= 0 by definition.
+WARMUP_LOG_DECAY = -16.0
 
 __all__ = [
     "SplitPlan",
     "host_chunk_table",
     "plan_split",
     "auto_partitions",
+    "warmup_starts",
+    "WARMUP_LOG_DECAY",
     "build_state_summary_kernel",
     "build_partition_scan_kernel",
     "state_summaries",
@@ -46,21 +56,33 @@ __all__ = [
 # ----------------------------------------------------------------------------------------
 # Host-side plan
 # ----------------------------------------------------------------------------------------
-def auto_partitions(n_chunks: int, num_seqs: int, HV: int, V: int, sms: int) -> int:
-    """Partitions for a sequence of `n_chunks` chunks (a power of two; 1 means no split).
+def grid_ctas(num_seqs: int, HV: int, V: int) -> int:
+    """CTAs of an unsplit walk: (sequence, v-head) pairs x 64-wide V tiles."""
+    return max(1, num_seqs * HV * max(1, V // 64))
 
-    The split triples the recurrent work (summary over V + K columns, then the real pass), so
-    it pays only when the unsplit grid (sequences x v-heads x V/64 tiles) is small: at most
-    SMs / 8 CTAs (measured: a clear gain at 8 CTAs, a loss at 64; 16-32 are unmeasured, so
-    they stay whole); then P grows until the grid reaches about 2 x SMs, keeping at least
-    MIN_CHUNKS_PER_PART chunks per partition. H200 sweep (benchmarks/results/
-    tune_split_h200_2026-12-03.json), bf16 K=V=128: 4 v-heads x 1x32k fwd+bwd 7.04 ms at
-    P=1, 2.40-2.52 ms at P=16-32; 32 v-heads x 1x8k: 2.80 ms at P=1, 3.9-4.6 ms split."""
-    ctas = max(1, num_seqs * HV * max(1, V // 64))
-    if 8 * ctas > sms:
-        return 1
+
+def splits_backward(num_seqs: int, HV: int, V: int, sms: int) -> bool:
+    """Whether the backward runs over the partitions too. Its split has no warm-up shortcut (a
+    full extra dh walk per partition), so it pays only when the unsplit grid is tiny: at most
+    SMs / 8 CTAs (H200, benchmarks/results/tune_split_h200_2026-12-03.json: 4 v-heads x 1x32k
+    fwd+bwd 7.04 ms whole, 2.40-2.52 ms at P = 16-32; 32 v-heads x 1x8k 2.80 ms whole,
+    3.9-4.6 ms split)."""
+    return 8 * grid_ctas(num_seqs, HV, V) <= sms
+
+
+def auto_partitions(n_chunks: int, num_seqs: int, HV: int, V: int, sms: int) -> int:
+    """Partitions for a sequence of `n_chunks` chunks (a power of two; 1 means no split),
+    keeping at least MIN_CHUNKS_PER_PART chunks per partition.
+
+    With the warm-up shortcut the forward's split costs a few chunks per cut plus the scan, so
+    it is worth it whenever the unsplit grid leaves SMs idle: P doubles until the grid covers
+    ~90% of them (TP1 1x32k, 32 v-heads: 64 CTAs -> P = 2; H200 per-chunk times of the fused
+    kernel: 2.4 us at block_v 32, 2.9 us at 64, so 2 x 64-wide beats 4 x 32-wide tiles). Where
+    the backward splits too (`splits_backward`), P grows to about 2 x SMs as measured there."""
+    ctas = grid_ctas(num_seqs, HV, V)
+    target = sms if splits_backward(num_seqs, HV, V, sms) else 0.9 * sms
     parts = 1
-    while parts < MAX_PARTS and ctas * 2 * parts <= 2 * sms and n_chunks // (2 * parts) >= MIN_CHUNKS_PER_PART:
+    while parts < MAX_PARTS and ctas * parts < target and n_chunks // (2 * parts) >= MIN_CHUNKS_PER_PART:
         parts *= 2
     return parts
 
@@ -73,6 +95,7 @@ class SplitPlan:
     seq_parts: list  # partitions of sequence n are seq_parts[n] .. seq_parts[n + 1] - 1
     split_parts: list  # partitions of sequences cut into >= 2 (they need a summary)
     seq_cu: list = field(default_factory=list)  # the sequences' own offsets
+    split_backward: bool = True  # the backward runs over the partitions (else over the sequences)
     _on_device: dict = field(default_factory=dict, repr=False)
 
     def device_tensors(self, device) -> dict:
@@ -89,6 +112,7 @@ class SplitPlan:
                 "last_parts": torch.tensor(self.last_parts(), dtype=torch.int64).to(device),
                 "part_chunk_table": host_chunk_table(self.part_cu, device),
                 "seq_chunk_table": host_chunk_table(self.seq_cu, device),
+                **{name: t.to(device) for name, t in partition_chunk_ends(self.part_cu).items()},
             }
         return self._on_device[key]
 
@@ -116,10 +140,60 @@ def host_chunk_table(offsets: list, device) -> torch.Tensor:
     return torch.stack([seg, local], 1).to(torch.int32).to(device)
 
 
+def partition_chunk_ends(part_cu: list) -> dict:
+    """Chunk bookkeeping of the partitions, chunks numbered as in `host_chunk_table`: per chunk
+    the token row ending it ('chunk_last_row') and the number of its partition's last chunk
+    ('chunk_part_last'); per partition its first and last chunk ('part_first', 'part_last';
+    0 for an empty partition) and whether it has any ('part_nonempty'). CPU tensors."""
+    rows, chunk_part_last, first, last, nonempty = [], [], [], [], []
+    for a, b in zip(part_cu, part_cu[1:]):
+        n = -(-(b - a) // CHUNK)
+        first.append(len(rows) if n else 0)
+        last.append(len(rows) + n - 1 if n else 0)
+        nonempty.append(n > 0)
+        for c in range(n):
+            rows.append(a + min((c + 1) * CHUNK, b - a) - 1)
+            chunk_part_last.append(len(rows) - 1 - c + n - 1)
+    as_t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return {"chunk_last_row": as_t(rows), "chunk_part_last": as_t(chunk_part_last), "part_first": as_t(first),
+            "part_last": as_t(last), "part_nonempty": torch.tensor(nonempty, dtype=torch.bool)}
+
+
+def warmup_starts(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = WARMUP_LOG_DECAY) -> torch.Tensor:
+    """[NP, HV] int32: per partition and v-head, the chunk where the summary walk may start.
+
+    The state entering chunk c reaches the partition's end damped by at least
+    exp(sum of the chunk decays from c to the end), so the walk can start from zero at the
+    last chunk c where that sum is below `threshold`; the partition's M is then dropped too.
+    -1 where the decay never gets there (walk every chunk, keep M). `g_cum` is the prepare
+    kernel's chunk-local cumulative gate [1, T, HV] (its value at a chunk's last row is the
+    chunk's decay). Since g <= 0 the sums shrink towards the end, so the qualifying chunks are
+    0 .. start and start = their count - 1. Scans along the last dimension only (torch's scan
+    over chunks as dim 0 took 0.09 ms on the H200), no atomics, no host sync.
+    """
+    dev = g_cum.device
+    idx = plan.device_tensors(dev)
+    HV = g_cum.shape[-1]
+    NC = idx["chunk_last_row"].numel()
+    if NC == 0:
+        return torch.full((plan.num_parts, HV), -1, dtype=torch.int32, device=dev)
+    decay = torch.empty(HV, NC, dtype=torch.float64, device=dev)
+    decay.copy_(g_cum[0].index_select(0, idx["chunk_last_row"]).t()).clamp_(max=0.0)
+    before = decay.cumsum(1)  # sum over the chunks up to and including c
+    to_end = before.index_select(1, idx["chunk_part_last"]) - before + decay
+    qualifies = (to_end < threshold).to(torch.int32)
+    upto = qualifies.cumsum(1)  # qualifying chunks up to and including c
+    first = idx["part_first"]
+    count = upto.index_select(1, idx["part_last"]) - upto.index_select(1, first) + qualifies.index_select(1, first)
+    count = torch.where(idx["part_nonempty"], count, 0)
+    return (count - 1).t().to(torch.int32).contiguous()
+
+
 def plan_split(cu_host, HV: int, V: int, parts="auto", sms: int = 132) -> SplitPlan:
     """Cut each sequence of `cu_host` (host ints) at chunk boundaries into partitions.
 
-    parts: 'auto' (`auto_partitions` per sequence) or an int P (at most one per chunk).
+    parts: 'auto' (`auto_partitions` per sequence; the backward splits only where
+    `splits_backward` says so) or an int P (at most one per chunk; forward and backward).
     Empty sequences keep one empty partition so that every sequence has a first and a last.
     Plans are cached: a training loop with fixed shapes builds each one once.
     """
@@ -144,22 +218,23 @@ def _plan_split(cu_host: tuple, HV: int, V: int, parts, sms: int) -> SplitPlan:
         seq_parts.append(len(part_cu) - 1)
         if P > 1:
             split_parts += list(range(first, first + P))
-    return SplitPlan(part_cu, seq_parts, split_parts, list(cu_host))
+    split_backward = parts != "auto" or splits_backward(num_seqs, HV, V, sms)
+    return SplitPlan(part_cu, seq_parts, split_parts, list(cu_host), split_backward)
 
 
 # ----------------------------------------------------------------------------------------
 # Kernel 1: (h, M) of every partition
 # ----------------------------------------------------------------------------------------
 def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, block_c: int = 64,
-                               threads: int = 128, num_stages: int = 2, drop_below: float = -30.0):
+                               threads: int = 128, num_stages: int = 2):
     """PrimFunc: grid ((V + K) / block_c, len(todo), HV). Column block c0 < V runs the
     recurrence on v[:, c0:c0+block_c] from zero and writes h; c0 >= V runs it on zero input
     from the identity's columns and writes M. Packed [1, T] inputs; partitions by part_cu.
 
     Arguments: k [1,T,H,K], v [1,T,HV,V], ag [1,T,HV,64] dtype; gc [1,T,HV] fp32;
-    part_cu [NP+1] int32; todo [NT] int32 (partitions to summarise); h_out [NP,HV,K,V] fp32;
-    m_out [NP,HV,K,K] fp32. A partition whose summed log decay is below `drop_below` (per
-    head) gets M = 0: its incoming state reaches its end damped by at least exp(drop_below).
+    part_cu [NP+1] int32; todo [NT] int32 (partitions to summarise); starts [NP,HV] int32
+    (`warmup_starts`: h walks from that chunk and M is 0; -1: every chunk, M kept);
+    h_out [NP,HV,K,V] fp32; m_out [NP,HV,K,K] fp32.
     """
     _, T = import_tilelang()
     C = CHUNK
@@ -169,7 +244,6 @@ def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, bloc
     BC = block_c
     assert HV % H == 0 and V % BC == 0 and K % BC == 0 and BC % 16 == 0
     NB = (V + K) // BC
-    drop_below = float(drop_below)
 
     Ttot = T.dynamic("num_tokens")
     NP1 = T.dynamic("num_parts_plus_one")
@@ -184,13 +258,12 @@ def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, bloc
         gc: T.Tensor((1, Ttot, HV), acc),
         part_cu: T.Tensor((NP1,), "int32"),
         todo: T.Tensor((NT,), "int32"),
+        starts: T.Tensor((NP, HV), "int32"),
         h_out: T.Tensor((NP, HV, K, V), acc),
         m_out: T.Tensor((NP, HV, K, K), acc),
     ):
         with T.Kernel(NB, NT, HV, threads=threads) as (bc, bt, bhv):
             p = todo[bt]
-            t_start = part_cu[p]
-            seq_len = part_cu[p + 1] - t_start
             bh = bhv // grp
             c0 = bc * BC
             v_col = T.min(c0, V - BC)  # M blocks read a (discarded) v tile too: one code path
@@ -209,15 +282,12 @@ def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, bloc
             vn_f = T.alloc_fragment((C, BC), acc)
             glast = T.alloc_var(acc)
 
+            # warm-up shortcut: the walk starts at chunk `first` (h) or not at all (dropped M)
+            first = T.max(starts[p, bhv], 0)
+            dropped = (c0 >= V) and (starts[p, bhv] >= 0)
+            t_start = part_cu[p] + first * C
+            seq_len = part_cu[p + 1] - t_start
             n_chunks = T.ceildiv(seq_len, C)
-            # Gate shortcut for M: ||M|| <= exp(sum of g over the partition) (unit-norm k, beta in
-            # [0, 2]), so below drop_below M is dropped (set to 0) without walking the chunks.
-            decay = T.alloc_var(acc)
-            decay = T.float32(0)
-            if c0 >= V:
-                for c in T.serial(n_chunks):
-                    decay = decay + gc[0, t_start + T.min(c * C + C - 1, seq_len - 1), bhv]
-            dropped = (c0 >= V) and (decay < drop_below)
             for i, j in T.Parallel(K, BC):
                 s_f[i, j] = T.if_then_else((c0 >= V) and (i == c0 - V + j) and (not dropped), T.float32(1),
                                            T.float32(0))
@@ -260,7 +330,10 @@ def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, bloc
 def build_partition_scan_kernel(HV: int, K: int, V: int, reverse: bool, block_v: int = 32, threads: int = 128):
     """PrimFunc: grid (V / block_v, N, HV). For the partitions of sequence n in order
     (reverse: last to first) writes out[p] = S, then S = m[p] S + add[p] (not after the
-    final one); the next step's m and add load while this step multiplies. S starts from s0[n] (the initial state, or the final-state gradient).
+    final one); the next step's m and add load while this step multiplies. S starts from s0[n]
+    (the initial state, or the final-state gradient). (Skipping the product where the summary
+    dropped m[p] was tried: a branch inside the pipelined loop made the H200 scan 30x slower
+    and wrong, so m = 0 is multiplied like any other.)
 
     Arguments: m [NP,HV,K,K] fp32 (M, or M^T for the reverse scan), add [NP,HV,K,V] fp32,
     seq_parts [N+1] int32, s0 [N,HV,K,V] fp32, out [NP,HV,K,V] fp32.
@@ -310,18 +383,20 @@ def build_partition_scan_kernel(HV: int, K: int, V: int, reverse: bool, block_v:
 # Python wrappers
 # ----------------------------------------------------------------------------------------
 def state_summaries(k, v, ag, gcum, plan: SplitPlan):
-    """(h [NP,HV,K,V], M [NP,HV,K,K]) fp32 of the partitions of split sequences (other rows
-    are left unset). Inputs packed [1, T, ...]."""
+    """(h [NP,HV,K,V], M [NP,HV,K,K], starts [NP,HV]) of the partitions of split sequences
+    (other rows of h and M are left unset; starts from `warmup_starts`). Inputs packed
+    [1, T, ...]."""
     _, _, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     NP = plan.num_parts
     h = torch.empty(NP, HV, K, V, dtype=torch.float32, device=k.device)
     M = torch.empty(NP, HV, K, K, dtype=torch.float32, device=k.device)
+    starts = warmup_starts(gcum, plan)
     if plan.split_parts:
         dev = plan.device_tensors(k.device)
         kern = compile_kernel(build_state_summary_kernel, H=H, HV=HV, K=K, V=V, dtype=tl_dtype(k.dtype))
-        kern(k, v, ag, gcum, dev["part_cu"], dev["todo"], h, M)
-    return h, M
+        kern(k, v, ag, gcum, dev["part_cu"], dev["todo"], starts, h, M)
+    return h, M, starts
 
 
 def _scan_block_v(V: int) -> int:
