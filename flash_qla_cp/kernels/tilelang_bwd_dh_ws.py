@@ -20,15 +20,16 @@ are zero past the tensor); every product that could read them is masked: P rows,
 the update reads, and the dvn rows (which zero t's rows too, as Ag's columns >= L are zero).
 """
 
-from .tilelang_bwd_impl import bwd_dh_entry
+from .tilelang_bwd_impl import bwd_dh_entry, walked_chunks
 from .tilelang_common import CHUNK, import_tilelang, tl_dtype
 
 LOG2E = 1.4426950408889634
 
 
 def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
-                           store_dh0: bool, block_v: int = 32):
-    """PrimFunc with the signature of `build_bwd_dh_kernel` (grid V/BV x N x HV, 384 threads)."""
+                           store_dh0: bool, block_v: int = 32, limit_chunks: bool = False):
+    """PrimFunc with the signature of `build_bwd_dh_kernel` (grid V/BV x N x HV, 384 threads;
+    limit_chunks as there)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -42,13 +43,14 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
     LOADER_REGS, CONSUMER_REGS = 40, 232
 
     @T.macro
-    def walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, bv, n, bhv):
+    def walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, walk_chunks, bv, n,
+             bhv):
         bh = bhv // grp
         v0 = bv * BV
         s0 = cu_seqlens[n]
         seq_len = cu_seqlens[n + 1] - s0
         c_first = chunk_offsets[n]
-        n_chunks = T.ceildiv(seq_len, C)
+        n_chunks = walked_chunks(T, T.ceildiv(seq_len, C), walk_chunks, n, bhv, limit_chunks)
 
         # two-stage ring filled by the loader
         q_s = T.alloc_shared((2, C, K), dtype)
@@ -169,4 +171,4 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
                         g_s[s, i] = gc[0, t0 + T.min(i, L - 1), bhv]
                     T.barrier_arrive(data_ready[s])
 
-    return bwd_dh_entry(walk, H, HV, K, V, dtype, NV, 3 * WG)
+    return bwd_dh_entry(walk, H, HV, K, V, dtype, NV, 3 * WG, limit_chunks)

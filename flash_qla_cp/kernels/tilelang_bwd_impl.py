@@ -199,8 +199,10 @@ def bwd_h_entry(walk, H, HV, K, V, dtype, NV, threads):
 # Kernel 2: the reverse recurrence of the state gradient; writes dh, dvn, dv and dh0.
 # ----------------------------------------------------------------------------------------
 def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
-                        store_dh0: bool, block_v: int = 64, threads: int = 128):
-    """Backward walk over the chunks of each sequence (grid V/BV x N x HV)."""
+                        store_dh0: bool, block_v: int = 64, threads: int = 128, limit_chunks: bool = False):
+    """Backward walk over the chunks of each sequence (grid V/BV x N x HV). limit_chunks: the
+    kernel takes walk_chunks [N, HV] int32 and walks only the first walk_chunks[n, h] chunks of
+    sequence n (the split backward's warm-up pass, see `bwd_dh_entry`)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -273,13 +275,14 @@ def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: floa
         T.gemm(ke_s, tn_s, ds_f, transpose_A=True)
 
     @T.macro
-    def walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, bv, n, bhv):
+    def walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, walk_chunks, bv, n,
+             bhv):
         bh = bhv // grp
         v0 = bv * BV
         s0 = cu_seqlens[n]
         seq_len = cu_seqlens[n + 1] - s0
         c_first = chunk_offsets[n]
-        n_chunks = T.ceildiv(seq_len, C)
+        n_chunks = walked_chunks(T, T.ceildiv(seq_len, C), walk_chunks, n, bhv, limit_chunks)
 
         q_s = T.alloc_shared((C, K), dtype)
         k_s = T.alloc_shared((C, K), dtype)
@@ -321,13 +324,22 @@ def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: floa
         if store_dh0:
             T.copy(ds_f, dh0[n, bhv, :, v0 : v0 + BV])
 
-    return bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads)
+    return bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads, limit_chunks)
 
 
-def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads):
+def walked_chunks(T, n_chunks, walk_chunks, n, bhv, limit_chunks: bool):
+    """The dh walk's chunk count: all `n_chunks`, or at most walk_chunks[n, bhv]."""
+    return T.min(n_chunks, walk_chunks[n, bhv]) if limit_chunks else n_chunks
+
+
+def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads, limit_chunks=False):
     """PrimFunc `gdn_bwd_dh` (the dh walk's argument list, grid (NV, N, HV)) around `walk`, a
     T.macro (q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0,
-    bv, n, bhv). Shared by the serial and the warp-specialised (`tilelang_bwd_dh_ws.py`) kernels."""
+    walk_chunks, bv, n, bhv). Shared by the serial and the warp-specialised
+    (`tilelang_bwd_dh_ws.py`) kernels. With limit_chunks the PrimFunc takes one more argument,
+    walk_chunks [N, HV] int32 (the walk covers only the first walk_chunks[n, h] chunks of
+    sequence n, from a zero or given exit gradient there); else `walk` gets dh0 in its place
+    and must not read it."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -337,8 +349,32 @@ def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads):
     NT = T.dynamic("n_dht")
     N0 = T.dynamic("n_dh0")
 
+    if not limit_chunks:
+        @T.prim_func
+        def gdn_bwd_dh(
+            q: T.Tensor((1, Ttot, H, K), dtype),
+            k: T.Tensor((1, Ttot, H, K), dtype),
+            do: T.Tensor((1, Ttot, HV, V), dtype),
+            ag: T.Tensor((1, Ttot, HV, C), dtype),
+            gc: T.Tensor((1, Ttot, HV), acc),
+            cu_seqlens: T.Tensor((N1,), "int32"),
+            chunk_offsets: T.Tensor((N1,), "int32"),
+            dht: T.Tensor((NT, HV, K, V), acc),
+            dh_out: T.Tensor((NC, HV, K, V), dtype),
+            dvn_out: T.Tensor((1, Ttot, HV, V), dtype),
+            dv_out: T.Tensor((1, Ttot, HV, V), dtype),
+            dh0: T.Tensor((N0, HV, K, V), acc),
+        ):
+            with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+                walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, dh0, bv, n,
+                     bhv)
+
+        return gdn_bwd_dh
+
+    NW = T.dynamic("n_walk")
+
     @T.prim_func
-    def gdn_bwd_dh(
+    def gdn_bwd_dh_limited(
         q: T.Tensor((1, Ttot, H, K), dtype),
         k: T.Tensor((1, Ttot, H, K), dtype),
         do: T.Tensor((1, Ttot, HV, V), dtype),
@@ -351,11 +387,13 @@ def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads):
         dvn_out: T.Tensor((1, Ttot, HV, V), dtype),
         dv_out: T.Tensor((1, Ttot, HV, V), dtype),
         dh0: T.Tensor((N0, HV, K, V), acc),
+        walk_chunks: T.Tensor((NW, HV), "int32"),
     ):
         with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
-            walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, bv, n, bhv)
+            walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, walk_chunks, bv, n,
+                 bhv)
 
-    return gdn_bwd_dh
+    return gdn_bwd_dh_limited
 
 
 # ----------------------------------------------------------------------------------------
@@ -792,8 +830,14 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
             from .tilelang_split import scan_partitions
 
             k_h(kf, vf, ag, gcum, cu, chunk_offsets, split["S_in"], h_st, vres)
+            # the gradient reaching each partition's start from its own outputs: only its first
+            # chunks matter until the gates have decayed by e^-16 (`dh_warmup_chunks`); what
+            # this pass writes besides dh0 is overwritten by the full pass below
+            dh_factory, dh_params = specs[1]
+            k_dh_warm = compile_kernel(dh_factory, **dh_params, limit_chunks=True)
             no_exit_grad = torch.zeros(N, *sdims, dtype=torch.float32, device=dev)
-            k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, no_exit_grad, dh_st, dvn, dv, dh0)
+            k_dh_warm(qf, kf, dof, ag, gcum, cu, chunk_offsets, no_exit_grad, dh_st, dvn, dv, dh0,
+                      split["dh_walk_chunks"])
             seq_exit_grad = dhtf if use_dht else torch.zeros(len(split["first_parts"]), *sdims,
                                                              dtype=torch.float32, device=dev)
             exit_grad = scan_partitions(split["M"].transpose(-1, -2), dh0, split["seq_parts"], seq_exit_grad,
@@ -837,6 +881,10 @@ def lowering_cases():
     for f, p in bwd_kernel_specs(4, 4, 128, 128, "bfloat16", 128**-0.5, False, False):
         entry = _ENTRY[f.__name__]
         cases.append((f"{entry}_bfloat16_k128_nostate_mha", f, p, entry))
+    # the split backward's first dh walk, limited to each partition's first chunks
+    for kind in WALK_KERNELS:
+        f, p = bwd_kernel_specs(2, 4, 128, 128, "bfloat16", 128**-0.5, True, True, 32, dh_kernel=kind)[1]
+        cases.append((f"gdn_bwd_dh_limited_{kind}_bfloat16_k128", f, dict(p, limit_chunks=True), "gdn_bwd_dh_limited"))
     # the warp-specialised h and dh walks (with and without initial state / exit gradients)
     for dim, bv, states in ((128, 32, True), (128, 64, False), (64, 64, True)):
         specs = bwd_kernel_specs(2, 4, dim, dim, "bfloat16", dim**-0.5, states, states, bv, dh_kernel="ws",

@@ -27,8 +27,8 @@ dict (all tensors contiguous, token-major like the inputs):
     saved["partitions"]: int, how many partitions the fused kernel walked (N when unsplit)
     saved["split"]    : only when the backward runs over the partitions too (`tilelang_split`,
                         `SplitPlan.split_backward`): part_cu, part_chunk_table, seq_parts,
-                        first_parts, S_in (state entering each partition, fp32 [NP, HV, K, V])
-                        and M (transition of each partition)
+                        first_parts, S_in (state entering each partition, fp32 [NP, HV, K, V]),
+                        M (transition of each partition) and dh_walk_chunks (`dh_warmup_chunks`)
 
 The chunk states h (state before each chunk) are not stored by the forward; the backward
 recomputes them (one pass of the fused kernel with `store_h`, or its own kernel).
@@ -593,6 +593,9 @@ def tilelang_chunk_gated_delta_rule_fwd(
         o, final, split = _split_forward(q, k, v, ag, g_cum, float(scale), initial_state, output_final_state,
                                          state_v_first, plan, cfg)
         if plan.split_backward:  # else the backward walks the whole sequences from the initial state
+            from .tilelang_split import dh_warmup_chunks
+
+            split["dh_walk_chunks"] = dh_warmup_chunks(g_cum.reshape(1, -1, HV), plan)
             saved["split"] = split
         return o, final, saved
 

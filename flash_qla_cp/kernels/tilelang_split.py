@@ -45,6 +45,7 @@ __all__ = [
     "plan_split",
     "auto_partitions",
     "warmup_starts",
+    "dh_warmup_chunks",
     "WARMUP_LOG_DECAY",
     "build_state_summary_kernel",
     "build_partition_scan_kernel",
@@ -143,9 +144,9 @@ def host_chunk_table(offsets: list, device) -> torch.Tensor:
 def partition_chunk_ends(part_cu: list) -> dict:
     """Chunk bookkeeping of the partitions, chunks numbered as in `host_chunk_table`: per chunk
     the token row ending it ('chunk_last_row') and the number of its partition's last chunk
-    ('chunk_part_last'); per partition its first and last chunk ('part_first', 'part_last';
+    ('chunk_part_last') and first chunk ('chunk_part_first'); per partition its first and last chunk ('part_first', 'part_last';
     0 for an empty partition) and whether it has any ('part_nonempty'). CPU tensors."""
-    rows, chunk_part_last, first, last, nonempty = [], [], [], [], []
+    rows, chunk_part_first, chunk_part_last, first, last, nonempty = [], [], [], [], [], []
     for a, b in zip(part_cu, part_cu[1:]):
         n = -(-(b - a) // CHUNK)
         first.append(len(rows) if n else 0)
@@ -153,10 +154,12 @@ def partition_chunk_ends(part_cu: list) -> dict:
         nonempty.append(n > 0)
         for c in range(n):
             rows.append(a + min((c + 1) * CHUNK, b - a) - 1)
+            chunk_part_first.append(len(rows) - 1 - c)
             chunk_part_last.append(len(rows) - 1 - c + n - 1)
     as_t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    return {"chunk_last_row": as_t(rows), "chunk_part_last": as_t(chunk_part_last), "part_first": as_t(first),
-            "part_last": as_t(last), "part_nonempty": torch.tensor(nonempty, dtype=torch.bool)}
+    return {"chunk_last_row": as_t(rows), "chunk_part_first": as_t(chunk_part_first),
+            "chunk_part_last": as_t(chunk_part_last), "part_first": as_t(first), "part_last": as_t(last),
+            "part_nonempty": torch.tensor(nonempty, dtype=torch.bool)}
 
 
 def warmup_starts(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = WARMUP_LOG_DECAY) -> torch.Tensor:
@@ -187,6 +190,35 @@ def warmup_starts(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = WAR
     count = upto.index_select(1, idx["part_last"]) - upto.index_select(1, first) + qualifies.index_select(1, first)
     count = torch.where(idx["part_nonempty"], count, 0)
     return (count - 1).t().to(torch.int32).contiguous()
+
+
+def dh_warmup_chunks(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = WARMUP_LOG_DECAY) -> torch.Tensor:
+    """[NP, HV] int32: per partition and v-head, how many of its first chunks the backward's
+    first dh walk must cover (the mirror of `warmup_starts`).
+
+    That walk computes the gradient reaching the partition's start from its own outputs, with a
+    zero gradient at its end. A gradient entering at chunk W comes back to the start damped by
+    at least exp(sum of the decays of chunks 0 .. W - 1), so the walk may stop at the first W
+    where that sum is below `threshold` (W = all chunks where it never gets there, 0 for an
+    empty partition). With g <= 0 the qualifying chunks are a suffix, so W = chunks - count + 1.
+    """
+    dev = g_cum.device
+    idx = plan.device_tensors(dev)
+    HV = g_cum.shape[-1]
+    NC = idx["chunk_last_row"].numel()
+    if NC == 0:
+        return torch.zeros(plan.num_parts, HV, dtype=torch.int32, device=dev)
+    decay = torch.empty(HV, NC, dtype=torch.float64, device=dev)
+    decay.copy_(g_cum[0].index_select(0, idx["chunk_last_row"]).t()).clamp_(max=0.0)
+    before = decay.cumsum(1)  # sum over the chunks up to and including c
+    first, last = idx["part_first"], idx["part_last"]
+    from_start = before - (before.index_select(1, idx["chunk_part_first"]) - decay.index_select(1, idx["chunk_part_first"]))
+    qualifies = (from_start < threshold).to(torch.int32)
+    upto = qualifies.cumsum(1)
+    count = upto.index_select(1, last) - upto.index_select(1, first) + qualifies.index_select(1, first)
+    chunks = (last - first + 1) * idx["part_nonempty"]
+    walk = torch.where(count > 0, chunks - count + 1, chunks)
+    return torch.where(idx["part_nonempty"], walk, 0).t().to(torch.int32).contiguous()
 
 
 def plan_split(cu_host, HV: int, V: int, parts="auto", sms: int = 132) -> SplitPlan:
