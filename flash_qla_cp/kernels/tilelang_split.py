@@ -34,6 +34,9 @@ from .tilelang_common import CHUNK, compile_kernel, import_tilelang, kernel_oper
 LOG2E = 1.4426950408889634
 MIN_CHUNKS_PER_PART = 16  # shorter partitions spend more on the summary pass than they save
 MAX_PARTS = 64
+# The forward-only split (many heads) pays from this length on: H200, 32 v-heads, fwd ms
+# unsplit / two partitions: 1x8k (128 chunks) 0.385 / 0.389, 1x32k (512 chunks) 1.48 / 1.14.
+FORWARD_SPLIT_MIN_CHUNKS = 256
 # A state damped by exp(-16) ~ 1.1e-7 (the fp32 resolution) may be dropped. The bound
 # ||prod_c exp(g_c) (I - beta k k^T)|| <= exp(sum g) needs unit-norm k and beta in [0, 2], which
 # the layer provides (l2-normalised q / k, sigmoid beta); g <= 0 by definition.
@@ -77,10 +80,14 @@ def auto_partitions(n_chunks: int, num_seqs: int, HV: int, V: int, sms: int) -> 
     With the warm-up shortcut the forward's split costs a few chunks per cut plus the scan, so
     it is worth it whenever the unsplit grid leaves SMs idle: P doubles until the grid covers
     ~90% of them (TP1 1x32k, 32 v-heads: 64 CTAs -> P = 2; H200 per-chunk times of the fused
-    kernel: 2.4 us at block_v 32, 2.9 us at 64, so 2 x 64-wide beats 4 x 32-wide tiles). Where
-    the backward splits too (`splits_backward`), P grows to about 2 x SMs as measured there."""
+    kernel: 2.4 us at block_v 32, 2.9 us at 64, so 2 x 64-wide beats 4 x 32-wide tiles), for
+    sequences of at least FORWARD_SPLIT_MIN_CHUNKS chunks. Where the backward splits too
+    (`splits_backward`), P grows to about 2 x SMs as measured there."""
     ctas = grid_ctas(num_seqs, HV, V)
-    target = sms if splits_backward(num_seqs, HV, V, sms) else 0.9 * sms
+    both = splits_backward(num_seqs, HV, V, sms)
+    if not both and n_chunks < FORWARD_SPLIT_MIN_CHUNKS:
+        return 1
+    target = sms if both else 0.9 * sms
     parts = 1
     while parts < MAX_PARTS and ctas * parts < target and n_chunks // (2 * parts) >= MIN_CHUNKS_PER_PART:
         parts *= 2
