@@ -37,16 +37,18 @@ def build_fused_fwd_ws_kernel(
     store_final_state: bool,
     state_v_first: bool = False,
     block_v: int = 64,
+    num_stages: int = 2,
 ):
     """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N or B, HV),
-    384 threads)."""
+    384 threads). num_stages: depth of the loader's ring (chunks loaded ahead)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
     dtype = tl_dtype(dtype)
     G = HV // H
     BV = block_v
-    assert V % BV == 0 and BV % 16 == 0 and K % 64 == 0
+    assert V % BV == 0 and BV % 16 == 0 and K % 64 == 0 and num_stages >= 2
+    NS = num_stages
     NV = V // BV
     scale = float(scale)
     WG = 128
@@ -58,12 +60,12 @@ def build_fused_fwd_ws_kernel(
     def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len):
         bh = bhv // G
         v0 = bv * BV
-        # two-stage ring filled by the loader
-        q_s = T.alloc_shared((2, C, K), dtype)
-        k_s = T.alloc_shared((2, C, K), dtype)
-        v_s = T.alloc_shared((2, C, BV), dtype)
-        a_s = T.alloc_shared((2, C, C), dtype)
-        g_s = T.alloc_shared((2, C), acc)
+        # ring of NS stages filled by the loader
+        q_s = T.alloc_shared((NS, C, K), dtype)
+        k_s = T.alloc_shared((NS, C, K), dtype)
+        v_s = T.alloc_shared((NS, C, BV), dtype)
+        a_s = T.alloc_shared((NS, C, C), dtype)
+        g_s = T.alloc_shared((NS, C), acc)
         # state -> output (single buffers, released by out_done)
         h_s = T.alloc_shared((K, BV), dtype)
         vn_s = T.alloc_shared((C, BV), dtype)
@@ -79,8 +81,8 @@ def build_fused_fwd_ws_kernel(
         o_f = T.alloc_fragment((C, BV), acc)
         glast = T.alloc_var(acc)
 
-        data_ready = T.alloc_barrier(arrive_count=[32, 32])
-        data_free = T.alloc_barrier(arrive_count=[2 * WG, 2 * WG])
+        data_ready = T.alloc_barrier(arrive_count=[32] * NS)
+        data_free = T.alloc_barrier(arrive_count=[2 * WG] * NS)
         h_ready = T.alloc_barrier(arrive_count=WG)
         vn_ready = T.alloc_barrier(arrive_count=WG)
         out_done = T.alloc_barrier(arrive_count=WG)
@@ -100,9 +102,9 @@ def build_fused_fwd_ws_kernel(
             else:
                 T.clear(s_f)
             for c in T.serial(n_chunks):
-                s = c % 2
+                s = c % NS
                 L = T.min(seq_len - c * C, C)
-                T.barrier_wait(data_ready[s], (c // 2) % 2)
+                T.barrier_wait(data_ready[s], (c // NS) % 2)
                 T.barrier_wait(out_done, (c + 1) % 2)  # chunk c-1's reads of h_s / vn_s are done
                 T.copy(s_f, h_s)
                 T.fence_proxy_async()
@@ -133,10 +135,10 @@ def build_fused_fwd_ws_kernel(
             # ---- output warpgroup ----
             T.set_max_nreg(CONSUMER_REGS, 1)
             for c in T.serial(n_chunks):
-                s = c % 2
+                s = c % NS
                 t0 = t_start + c * C
                 L = T.min(seq_len - c * C, C)
-                T.barrier_wait(data_ready[s], (c // 2) % 2)
+                T.barrier_wait(data_ready[s], (c // NS) % 2)
                 T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     p_s[i, j] = T.if_then_else(
@@ -159,10 +161,10 @@ def build_fused_fwd_ws_kernel(
             T.set_max_nreg(LOADER_REGS, 0)
             if tx < 2 * WG + 32:
                 for c in T.serial(n_chunks):
-                    s = c % 2
+                    s = c % NS
                     t0 = t_start + c * C
                     L = T.min(seq_len - c * C, C)
-                    T.barrier_wait(data_free[s], (c // 2 + 1) % 2)
+                    T.barrier_wait(data_free[s], (c // NS + 1) % 2)
                     # whole 64-row tiles even for a partial last chunk (rows >= L are masked out
                     # downstream, as in the single-warpgroup kernel; TMA zero-fills past the tensor)
                     T.tma_copy(q[bb, t0 : t0 + C, bh, :], q_s[s, :, :], barrier=data_ready[s])
