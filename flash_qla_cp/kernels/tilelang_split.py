@@ -38,8 +38,9 @@ MAX_PARTS = 64
 # unsplit / two partitions: 1x8k (128 chunks) 0.385 / 0.389, 1x32k (512 chunks) 1.48 / 1.14.
 FORWARD_SPLIT_MIN_CHUNKS = 256
 # A state damped by exp(-16) ~ 1.1e-7 (the fp32 resolution) may be dropped. The bound
-# ||prod_c exp(g_c) (I - beta k k^T)|| <= exp(sum g) needs unit-norm k and beta in [0, 2], which
-# the layer provides (l2-normalised q / k, sigmoid beta); g <= 0 by definition.
+# ||prod_t exp(g_t) (I - beta_t k_t k_t^T)|| <= exp(sum g) needs beta_t ||k_t||^2 <= 2, i.e. no
+# step that expands the state: the layer's l2-normalised k and sigmoid beta give that, and
+# inputs without it make the recurrence itself grow without bound. g <= 0 by definition.
 WARMUP_LOG_DECAY = -16.0
 
 __all__ = [
