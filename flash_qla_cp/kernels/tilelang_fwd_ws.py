@@ -38,9 +38,16 @@ def build_fused_fwd_ws_kernel(
     state_v_first: bool = False,
     block_v: int = 64,
     num_stages: int = 2,
+    prescaled_k: bool = False,
 ):
     """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N or B, HV),
-    384 threads). num_stages: depth of the loader's ring (chunks loaded ahead)."""
+    384 threads). num_stages: depth of the loader's ring (chunks loaded ahead).
+
+    prescaled_k: two idle warps of the loader's warpgroup write diag(exp G) k and
+    diag(exp(G_L - G)) k (rows >= L zero) next to each ring stage, so the state chain runs
+    x = (exp(G) k) S, w = v - x, v_new = Ag w, S = exp(G_L) S + (exp(G_L - G) k)^T v_new with
+    no exponentials and no gate loads of its own. The gated keys are rounded to bf16 (as k is),
+    so results differ from the default in the last bits."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -54,7 +61,8 @@ def build_fused_fwd_ws_kernel(
     WG = 128
     # registers per thread (setmaxnreg): the loader gives its share to the two consumers,
     # whose S block and accumulators (BV = 64: 128 floats) must not spill
-    LOADER_REGS, CONSUMER_REGS = 40, 232
+    LOADER_REGS, CONSUMER_REGS = (56, 224) if prescaled_k else (40, 232)
+    HELPERS = 64  # threads of the loader's warpgroup that scale k (prescaled_k)
 
     @T.macro
     def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len):
@@ -71,8 +79,11 @@ def build_fused_fwd_ws_kernel(
         vn_s = T.alloc_shared((C, BV), dtype)
         # private to one warpgroup
         w_s = T.alloc_shared((C, BV), dtype)
-        vd_s = T.alloc_shared((C, BV), dtype)
+        vd_s = None if prescaled_k else T.alloc_shared((C, BV), dtype)
         p_s = T.alloc_shared((C, C), dtype)
+        # gated keys per ring stage (prescaled_k): exp(G) k and exp(G_L - G) k
+        kg_s = T.alloc_shared((NS, C, K), dtype) if prescaled_k else None
+        kd_s = T.alloc_shared((NS, C, K), dtype) if prescaled_k else None
 
         s_f = T.alloc_fragment((K, BV), acc)
         x_f = T.alloc_fragment((C, BV), acc)
@@ -86,6 +97,7 @@ def build_fused_fwd_ws_kernel(
         h_ready = T.alloc_barrier(arrive_count=WG)
         vn_ready = T.alloc_barrier(arrive_count=WG)
         out_done = T.alloc_barrier(arrive_count=WG)
+        keys_ready = T.alloc_barrier(arrive_count=[HELPERS] * NS) if prescaled_k else None
 
         n_chunks = T.ceildiv(seq_len, C)
         tx = T.get_thread_binding()
@@ -105,25 +117,43 @@ def build_fused_fwd_ws_kernel(
                 s = c % NS
                 L = T.min(seq_len - c * C, C)
                 T.barrier_wait(data_ready[s], (c // NS) % 2)
+                if prescaled_k:
+                    T.barrier_wait(keys_ready[s], (c // NS) % 2)
                 T.barrier_wait(out_done, (c + 1) % 2)  # chunk c-1's reads of h_s / vn_s are done
                 T.copy(s_f, h_s)
                 T.fence_proxy_async()
                 T.barrier_arrive(h_ready)
-                T.gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
-                for i, j in T.Parallel(C, BV):
-                    w_s[i, j] = v_s[s, i, j] - T.exp2(g_s[s, i] * LOG2E) * x_f[i, j]
-                T.fence_proxy_async()
-                T.gemm(a_s[s, :, :], w_s, vn_f, clear_accum=True)
-                glast = g_s[s, C - 1]  # padding rows repeat the last valid G
-                for i, j in T.Parallel(C, BV):
-                    vn_s[i, j] = vn_f[i, j]
-                    vd_s[i, j] = T.if_then_else(i < L, vn_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E),
-                                                T.float32(0))
-                T.fence_proxy_async()
-                T.barrier_arrive(vn_ready)
-                for i, j in T.Parallel(K, BV):
-                    s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
-                T.gemm(k_s[s, :, :], vd_s, s_f, transpose_A=True)
+                if prescaled_k:
+                    glast = g_s[s, C - 1]
+                    T.gemm(kg_s[s, :, :], h_s, x_f, clear_accum=True)
+                    for i, j in T.Parallel(C, BV):
+                        w_s[i, j] = v_s[s, i, j] - x_f[i, j]
+                    T.fence_proxy_async()
+                    T.gemm(a_s[s, :, :], w_s, vn_f, clear_accum=True)
+                    # rows >= L zeroed: their keys are zero, and 0 * (whatever) must stay 0
+                    for i, j in T.Parallel(C, BV):
+                        vn_s[i, j] = T.if_then_else(i < L, vn_f[i, j], T.float32(0))
+                    T.fence_proxy_async()
+                    T.barrier_arrive(vn_ready)
+                    for i, j in T.Parallel(K, BV):
+                        s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
+                    T.gemm(kd_s[s, :, :], vn_s, s_f, transpose_A=True)
+                else:
+                    T.gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
+                    for i, j in T.Parallel(C, BV):
+                        w_s[i, j] = v_s[s, i, j] - T.exp2(g_s[s, i] * LOG2E) * x_f[i, j]
+                    T.fence_proxy_async()
+                    T.gemm(a_s[s, :, :], w_s, vn_f, clear_accum=True)
+                    glast = g_s[s, C - 1]  # padding rows repeat the last valid G
+                    for i, j in T.Parallel(C, BV):
+                        vn_s[i, j] = vn_f[i, j]
+                        vd_s[i, j] = T.if_then_else(i < L, vn_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E),
+                                                    T.float32(0))
+                    T.fence_proxy_async()
+                    T.barrier_arrive(vn_ready)
+                    for i, j in T.Parallel(K, BV):
+                        s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
+                    T.gemm(k_s[s, :, :], vd_s, s_f, transpose_A=True)
                 T.barrier_arrive(data_free[s])
             if store_final_state:
                 if state_v_first:
@@ -174,5 +204,18 @@ def build_fused_fwd_ws_kernel(
                     for i in T.Parallel(C):
                         g_s[s, i] = gc[bb, t0 + T.min(i, L - 1), bhv]
                     T.barrier_arrive(data_ready[s])
+            elif prescaled_k and tx < 2 * WG + 32 + HELPERS:
+                # ---- helpers: gated keys for the state warpgroup, off its chain ----
+                for c in T.serial(n_chunks):
+                    s = c % NS
+                    L = T.min(seq_len - c * C, C)
+                    T.barrier_wait(data_ready[s], (c // NS) % 2)
+                    for i, d in T.Parallel(C, K):
+                        kg_s[s, i, d] = k_s[s, i, d] * T.exp2(g_s[s, i] * LOG2E)
+                        kd_s[s, i, d] = T.if_then_else(
+                            i < L, k_s[s, i, d] * T.exp2((g_s[s, C - 1] - g_s[s, i]) * LOG2E), T.cast(0, dtype)
+                        )
+                    T.fence_proxy_async()
+                    T.barrier_arrive(keys_ready[s])
 
     return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, 3 * WG)
