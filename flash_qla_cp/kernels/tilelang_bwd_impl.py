@@ -467,6 +467,8 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
 
             cv_f = T.alloc_fragment((C, V), acc)
             cc_f = T.alloc_fragment((C, C), acc)
+            kk_f = T.alloc_fragment((C, C), acc)  # k k^T and q k^T: per qk-head, shared by its v-heads
+            qk_f = T.alloc_fragment((C, C), acc)
             cc2_f = T.alloc_fragment((C, C), acc)
             x_f = T.alloc_fragment((C, C), acc)
             dq_f = T.alloc_fragment((C, K), acc)
@@ -488,6 +490,8 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                     k_s[i, d] = T.if_then_else(i < L, k[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
             T.clear(dq_f)
             T.clear(dk_f)
+            T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+            T.gemm(q_s, k_s, qk_f, transpose_B=True, clear_accum=True)
 
             for j in T.serial(grp):
                 bhv = bh * grp + j
@@ -539,10 +543,9 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.gemm(m1_s, a_s, cc_f, transpose_B=True, clear_accum=True)
                 T.copy(cc_f, m2_s)
                 T.gemm(a_s, m2_s, cc2_f, transpose_A=True, clear_accum=True)
-                T.gemm(k_s, k_s, cc_f, transpose_B=True, clear_accum=True)
                 for i, jj in T.Parallel(C, C):
                     x_f[i, jj] = T.if_then_else(
-                        i > jj, -cc2_f[i, jj] * cc_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E), T.float32(0)
+                        i > jj, -cc2_f[i, jj] * kk_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E), T.float32(0)
                     )
                     m2_s[i, jj] = T.if_then_else(
                         i > jj, -cc2_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E), T.float32(0)
@@ -552,11 +555,10 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.copy(row_f, r_2r)
                 T.copy(col_f, r_2c)
                 # Pm = scale tril_incl(dO v_new^T o Gam)
-                T.gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)
                 T.gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
                 for i, jj in T.Parallel(C, C):
                     x_f[i, jj] = T.if_then_else(
-                        i >= jj, cc2_f[i, jj] * cc_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E) * scale,
+                        i >= jj, cc2_f[i, jj] * qk_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E) * scale,
                         T.float32(0),
                     )
                     m1_s[i, jj] = T.if_then_else(
