@@ -480,10 +480,18 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
             hrow_f = T.alloc_fragment((RS,), acc)
             one_f = T.alloc_fragment((1,), acc)
             glast = T.alloc_var(acc)
+            # whole chunks: one warp issues all of a step's TMA loads at once, the block waits
+            # once (a copy-and-wait per tile left each latency exposed: one block fills the SM)
+            qk_ready = T.alloc_barrier(arrive_count=32)
+            tiles_ready = T.alloc_barrier(arrive_count=32)
+            tx = T.get_thread_binding()
 
             if L == C:
-                T.copy(q[0, t0 : t0 + C, bh, :], q_s)
-                T.copy(k[0, t0 : t0 + C, bh, :], k_s)
+                if tx < 32:
+                    T.tma_copy(q[0, t0 : t0 + C, bh, :], q_s, barrier=qk_ready)
+                    T.tma_copy(k[0, t0 : t0 + C, bh, :], k_s, barrier=qk_ready)
+                    T.barrier_arrive(qk_ready)
+                T.barrier_wait(qk_ready, 0)
             else:
                 for i, d in T.Parallel(C, K):
                     q_s[i, d] = T.if_then_else(i < L, q[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
@@ -495,14 +503,19 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
 
             for j in T.serial(grp):
                 bhv = bh * grp + j
-                T.copy(h[bc, bhv, :, :], h_s)
-                T.copy(dh[bc, bhv, :, :], dh_s)
                 if L == C:
-                    T.copy(do[0, t0 : t0 + C, bhv, :], do_s)
-                    T.copy(vres[0, t0 : t0 + C, bhv, :], vr_s)
-                    T.copy(dvn[0, t0 : t0 + C, bhv, :], dvn_s)
-                    T.copy(ag[0, t0 : t0 + C, bhv, :], a_s)
+                    T.sync_threads()  # every thread is done with the previous v-head's tiles
+                    if tx < 32:
+                        T.tma_copy(h[bc, bhv, :, :], h_s, barrier=tiles_ready)
+                        T.tma_copy(dh[bc, bhv, :, :], dh_s, barrier=tiles_ready)
+                        T.tma_copy(do[0, t0 : t0 + C, bhv, :], do_s, barrier=tiles_ready)
+                        T.tma_copy(vres[0, t0 : t0 + C, bhv, :], vr_s, barrier=tiles_ready)
+                        T.tma_copy(dvn[0, t0 : t0 + C, bhv, :], dvn_s, barrier=tiles_ready)
+                        T.tma_copy(ag[0, t0 : t0 + C, bhv, :], a_s, barrier=tiles_ready)
+                        T.barrier_arrive(tiles_ready)
                 else:
+                    T.copy(h[bc, bhv, :, :], h_s)
+                    T.copy(dh[bc, bhv, :, :], dh_s)
                     for i, d in T.Parallel(C, V):
                         do_s[i, d] = T.if_then_else(i < L, do[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
                         vr_s[i, d] = T.if_then_else(i < L, vres[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
@@ -512,6 +525,8 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 for i in T.Parallel(C):
                     g_s[i] = gc[0, t0 + T.min(i, L - 1), bhv]
                     b_s[i] = T.if_then_else(i < L, beta[0, t0 + T.min(i, L - 1), bhv], T.float32(0))
+                if L == C:
+                    T.barrier_wait(tiles_ready, j % 2)
                 glast = g_s[C - 1]
 
                 # exp(GL) <S, dS'>
