@@ -479,7 +479,7 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
 
     `fused_opts` go to `build_fused_fwd_kernel` (threads, num_stages, async_mma, o_store_smem);
     `warp_specialized=True` picks `tilelang_fwd_ws.build_fused_fwd_ws_kernel` instead (same
-    arguments; only block_v and num_stages apply to it, plus its prescaled_k).
+    arguments; only block_v and num_stages apply to it, plus its prescaled_k / register_chain).
     """
     if block_v is None:
         block_v = 64 if V % 64 == 0 else V
@@ -499,8 +499,9 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
         ws_opts = {}
         if opts.get("num_stages", 2) != 2:
             ws_opts["num_stages"] = opts["num_stages"]
-        if opts.get("prescaled_k"):
-            ws_opts["prescaled_k"] = True
+        for flag in ("prescaled_k", "register_chain"):
+            if opts.get(flag):
+                ws_opts[flag] = True
         opts = ws_opts
     fused.update(opts)
     return [
