@@ -55,7 +55,7 @@ def build_fused_fwd_ws_kernel(
     registers, the accumulator converted to bf16 in place): x^T = S^T (exp(G) k)^T,
     v_new^T = (v - x)^T Ag^T, S^T = exp(G_L) S^T + v_new^T (exp(G_L - G) k). Nothing the chain
     reads goes through shared memory; S^T and v_new^T are stored there for the output
-    warpgroup only."""
+    warpgroup only, and the helpers also write v^T per ring stage."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -94,6 +94,8 @@ def build_fused_fwd_ws_kernel(
         # gated keys per ring stage (prescaled_k): exp(G) k and exp(G_L - G) k
         kg_s = T.alloc_shared((NS, C, K), dtype) if prescaled_k else None
         kd_s = T.alloc_shared((NS, C, K), dtype) if prescaled_k else None
+        # v^T per ring stage (register_chain), also written by the helpers
+        vt_s = T.alloc_shared((NS, BV, C), dtype) if register_chain else None
 
         # register_chain keeps the state warpgroup's operands transposed ([BV, .])
         s_f = T.alloc_fragment((BV, K) if register_chain else (K, BV), acc)
@@ -143,7 +145,7 @@ def build_fused_fwd_ws_kernel(
                     glast = g_s[s, C - 1]
                     T.gemm(sb_f, kg_s[s, :, :], x_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(BV, C):
-                        wb_f[i, j] = v_s[s, j, i] - x_f[i, j]
+                        wb_f[i, j] = vt_s[s, i, j] - x_f[i, j]
                     T.gemm(wb_f, a_s[s, :, :], vn_f, transpose_B=True, clear_accum=True)
                     # columns >= L zeroed: their keys are zero, and 0 * (whatever) must stay 0
                     for i, j in T.Parallel(BV, C):
@@ -273,6 +275,9 @@ def build_fused_fwd_ws_kernel(
                         kd_s[s, i, d] = T.if_then_else(
                             i < L, k_s[s, i, d] * T.exp2((g_s[s, C - 1] - g_s[s, i]) * LOG2E), T.cast(0, dtype)
                         )
+                    if register_chain:
+                        for j, i in T.Parallel(BV, C):
+                            vt_s[s, j, i] = v_s[s, i, j]
                     T.fence_proxy_async()
                     T.barrier_arrive(keys_ready[s])
 
