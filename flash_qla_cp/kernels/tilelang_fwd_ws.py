@@ -94,8 +94,13 @@ def build_fused_fwd_ws_kernel(
         # gated keys per ring stage (prescaled_k): exp(G) k and exp(G_L - G) k
         kg_s = T.alloc_shared((NS, C, K), dtype) if prescaled_k else None
         kd_s = T.alloc_shared((NS, C, K), dtype) if prescaled_k else None
-        # v^T per ring stage (register_chain), also written by the helpers
-        vt_s = T.alloc_shared((NS, BV, C), dtype) if register_chain else None
+        # v^T per ring stage (register_chain), also written by the helpers; rows padded by 8
+        # elements so that neither the helpers' transposing stores nor the state warpgroup's
+        # accumulator-shaped reads fall into one bank
+        vt_s = T.alloc_shared((NS, BV, C + 8), dtype) if register_chain else None
+        # the helpers' row factors exp(G) and exp(G_L - G) (rows >= L: 0)
+        eg_s = T.alloc_shared((C,), acc) if prescaled_k else None
+        ed_s = T.alloc_shared((C,), acc) if prescaled_k else None
 
         # register_chain keeps the state warpgroup's operands transposed ([BV, .])
         s_f = T.alloc_fragment((BV, K) if register_chain else (K, BV), acc)
@@ -270,13 +275,14 @@ def build_fused_fwd_ws_kernel(
                     s = c % NS
                     L = T.min(seq_len - c * C, C)
                     T.barrier_wait(data_ready[s], (c // NS) % 2)
+                    for i in T.Parallel(C):
+                        eg_s[i] = T.exp2(g_s[s, i] * LOG2E)
+                        ed_s[i] = T.if_then_else(i < L, T.exp2((g_s[s, C - 1] - g_s[s, i]) * LOG2E), T.float32(0))
                     for i, d in T.Parallel(C, K):
-                        kg_s[s, i, d] = k_s[s, i, d] * T.exp2(g_s[s, i] * LOG2E)
-                        kd_s[s, i, d] = T.if_then_else(
-                            i < L, k_s[s, i, d] * T.exp2((g_s[s, C - 1] - g_s[s, i]) * LOG2E), T.cast(0, dtype)
-                        )
+                        kg_s[s, i, d] = k_s[s, i, d] * eg_s[i]
+                        kd_s[s, i, d] = k_s[s, i, d] * ed_s[i]
                     if register_chain:
-                        for j, i in T.Parallel(BV, C):
+                        for i, j in T.Parallel(C, BV):
                             vt_s[s, j, i] = v_s[s, i, j]
                     T.fence_proxy_async()
                     T.barrier_arrive(keys_ready[s])
