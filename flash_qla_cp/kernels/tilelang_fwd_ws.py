@@ -40,6 +40,7 @@ def build_fused_fwd_ws_kernel(
     num_stages: int = 2,
     prescaled_k: bool = False,
     register_chain: bool = False,
+    trace: bool = False,
 ):
     """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N or B, HV),
     384 threads). num_stages: depth of the loader's ring (chunks loaded ahead).
@@ -49,6 +50,11 @@ def build_fused_fwd_ws_kernel(
     x = (exp(G) k) S, w = v - x, v_new = Ag w, S = exp(G_L) S + (exp(G_L - G) k)^T v_new with
     no exponentials and no gate loads of its own. The gated keys are rounded to bf16 (as k is),
     so results differ from the default in the last bits.
+
+    trace (a measurement build, not for use): thread 0 of the state and of the output
+    warpgroup read clock64() at 8 points per chunk and write the 7 differences (cycles, as
+    float) of chunk c to ht[n, h, :, v0:v0+BV] viewed flat, at [r * K * BV / 2 + 8 c + p]
+    (r = 0 state, 1 output; the first K * BV / 16 chunks); the final state is not stored.
 
     register_chain (implies prescaled_k; block_v 64): the state warpgroup holds S^T [BV, K]
     and every GEMM of its chain takes its first operand from registers (wgmma with A in
@@ -73,6 +79,21 @@ def build_fused_fwd_ws_kernel(
     # whose S block and accumulators (BV = 64: 128 floats) must not spill
     LOADER_REGS, CONSUMER_REGS = (56, 224) if prescaled_k else (40, 232)
     HELPERS = 64  # threads of the loader's warpgroup that scale k (prescaled_k)
+    assert not (trace and store_final_state), "trace writes its timings where the final state goes"
+    TRACE_CHUNKS = K * BV // 16
+
+    @T.macro
+    def stamp(st, i):
+        if trace:
+            st[i] = T.call_extern("int64", "clock64")
+
+    @T.macro
+    def flush(st, ht, n, bhv, v0, c, tx, region):
+        if trace:
+            if tx % WG == 0 and c < TRACE_CHUNKS:
+                for p in T.serial(7):
+                    f = region * (K * BV // 2) + c * 8 + p
+                    ht[n, bhv, f // BV, v0 + f % BV] = T.cast(st[p + 1] - st[p], "float32")
 
     @T.macro
     def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len):
@@ -123,6 +144,7 @@ def build_fused_fwd_ws_kernel(
 
         n_chunks = T.ceildiv(seq_len, C)
         tx = T.get_thread_binding()
+        st = T.alloc_local((8,), "int64") if trace else None
 
         if tx < WG:
             # ---- state warpgroup ----
@@ -139,30 +161,39 @@ def build_fused_fwd_ws_kernel(
                     T.clear(s_f)
                 T.copy(s_f, sb_f)
                 for c in T.serial(n_chunks):
+                    stamp(st, 0)
                     s = c % NS
                     L = T.min(seq_len - c * C, C)
                     T.barrier_wait(data_ready[s], (c // NS) % 2)
                     T.barrier_wait(keys_ready[s], (c // NS) % 2)
                     T.barrier_wait(out_done, (c + 1) % 2)  # chunk c-1's reads of h_s / vn_s are done
+                    stamp(st, 1)
                     T.copy(sb_f, h_s)  # S^T entering chunk c, for the output warpgroup
                     T.fence_proxy_async()
                     T.barrier_arrive(h_ready)
+                    stamp(st, 2)
                     glast = g_s[s, C - 1]
                     T.gemm(sb_f, kg_s[s, :, :], x_f, transpose_B=True, clear_accum=True)
+                    stamp(st, 3)
                     for i, j in T.Parallel(BV, C):
                         wb_f[i, j] = vt_s[s, i, j] - x_f[i, j]
+                    stamp(st, 4)
                     T.gemm(wb_f, a_s[s, :, :], vn_f, transpose_B=True, clear_accum=True)
+                    stamp(st, 5)
                     # columns >= L zeroed: their keys are zero, and 0 * (whatever) must stay 0
                     for i, j in T.Parallel(BV, C):
                         vb_f[i, j] = T.if_then_else(j < L, vn_f[i, j], T.float32(0))
                     T.copy(vb_f, vn_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(vn_ready)
+                    stamp(st, 6)
                     for i, j in T.Parallel(BV, K):
                         s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
                     T.gemm(vb_f, kd_s[s, :, :], s_f)
+                    stamp(st, 7)
                     T.barrier_arrive(data_free[s])
                     T.copy(s_f, sb_f)
+                    flush(st, ht, n, bhv, v0, c, tx, 0)
                 if store_final_state:
                     if state_v_first:
                         T.copy(s_f, ht[n, bhv, v0 : v0 + BV, :])
@@ -179,36 +210,47 @@ def build_fused_fwd_ws_kernel(
                 else:
                     T.clear(s_f)
                 for c in T.serial(n_chunks):
+                    stamp(st, 0)
                     s = c % NS
                     L = T.min(seq_len - c * C, C)
                     T.barrier_wait(data_ready[s], (c // NS) % 2)
                     if prescaled_k:
                         T.barrier_wait(keys_ready[s], (c // NS) % 2)
                     T.barrier_wait(out_done, (c + 1) % 2)  # chunk c-1's reads of h_s / vn_s are done
+                    stamp(st, 1)
                     T.copy(s_f, h_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(h_ready)
+                    stamp(st, 2)
                     if prescaled_k:
                         glast = g_s[s, C - 1]
                         T.gemm(kg_s[s, :, :], h_s, x_f, clear_accum=True)
+                        stamp(st, 3)
                         for i, j in T.Parallel(C, BV):
                             w_s[i, j] = v_s[s, i, j] - x_f[i, j]
                         T.fence_proxy_async()
+                        stamp(st, 4)
                         T.gemm(a_s[s, :, :], w_s, vn_f, clear_accum=True)
+                        stamp(st, 5)
                         # rows >= L zeroed: their keys are zero, and 0 * (whatever) must stay 0
                         for i, j in T.Parallel(C, BV):
                             vn_s[i, j] = T.if_then_else(i < L, vn_f[i, j], T.float32(0))
                         T.fence_proxy_async()
                         T.barrier_arrive(vn_ready)
+                        stamp(st, 6)
                         for i, j in T.Parallel(K, BV):
                             s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
                         T.gemm(kd_s[s, :, :], vn_s, s_f, transpose_A=True)
+                        stamp(st, 7)
                     else:
                         T.gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
+                        stamp(st, 3)
                         for i, j in T.Parallel(C, BV):
                             w_s[i, j] = v_s[s, i, j] - T.exp2(g_s[s, i] * LOG2E) * x_f[i, j]
                         T.fence_proxy_async()
+                        stamp(st, 4)
                         T.gemm(a_s[s, :, :], w_s, vn_f, clear_accum=True)
+                        stamp(st, 5)
                         glast = g_s[s, C - 1]  # padding rows repeat the last valid G
                         for i, j in T.Parallel(C, BV):
                             vn_s[i, j] = vn_f[i, j]
@@ -216,10 +258,13 @@ def build_fused_fwd_ws_kernel(
                                                         T.float32(0))
                         T.fence_proxy_async()
                         T.barrier_arrive(vn_ready)
+                        stamp(st, 6)
                         for i, j in T.Parallel(K, BV):
                             s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
                         T.gemm(k_s[s, :, :], vd_s, s_f, transpose_A=True)
+                        stamp(st, 7)
                     T.barrier_arrive(data_free[s])
+                    flush(st, ht, n, bhv, v0, c, tx, 0)
                 if store_final_state:
                     if state_v_first:
                         for i, j in T.Parallel(K, BV):
@@ -230,27 +275,36 @@ def build_fused_fwd_ws_kernel(
             # ---- output warpgroup ----
             T.set_max_nreg(CONSUMER_REGS, 1)
             for c in T.serial(n_chunks):
+                stamp(st, 0)
                 s = c % NS
                 t0 = t_start + c * C
                 L = T.min(seq_len - c * C, C)
                 T.barrier_wait(data_ready[s], (c // NS) % 2)
+                stamp(st, 1)
                 T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     p_s[i, j] = T.if_then_else(
                         i >= j, p_f[i, j] * T.exp2((g_s[s, i] - g_s[s, j]) * LOG2E) * scale, T.float32(0)
                     )
                 T.fence_proxy_async()
+                stamp(st, 2)
                 T.barrier_wait(h_ready, c % 2)
+                stamp(st, 3)
                 T.gemm(q_s[s, :, :], h_s, o_f, transpose_B=register_chain, clear_accum=True)
                 for i, j in T.Parallel(C, BV):
                     o_f[i, j] = o_f[i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale)
+                stamp(st, 4)
                 T.barrier_wait(vn_ready, c % 2)
+                stamp(st, 5)
                 T.gemm(p_s, vn_s, o_f, transpose_B=register_chain)
                 T.barrier_arrive(out_done)
                 T.barrier_arrive(data_free[s])
+                stamp(st, 6)
                 for i, j in T.Parallel(C, BV):
                     if i < L:
                         o[bb, t0 + i, bhv, v0 + j] = o_f[i, j]
+                stamp(st, 7)
+                flush(st, ht, n, bhv, v0, c, tx, 1)
         else:
             # ---- loader: one warp issues the loads, the other three wait at the exit ----
             T.set_max_nreg(LOADER_REGS, 0)
