@@ -644,7 +644,7 @@ def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state,
     qf, kf, vf, agf, gf = (x.reshape(1, B * Tn, *x.shape[2:]) for x in (q, k, v, ag, g_cum))
 
     idx = plan.device_tensors(dev)
-    h_part, m_part, _ = state_summaries(kf, vf, agf, gf, plan)
+    h_part, m_part = state_summaries(kf, vf, agf, gf, plan)
     if initial_state is not None:
         h0 = state_kv_layout(initial_state, state_v_first)
         assert tuple(h0.shape) == (N, HV, K, V), f"initial_state must hold {N} states"

@@ -423,20 +423,18 @@ def build_partition_scan_kernel(HV: int, K: int, V: int, reverse: bool, block_v:
 # Python wrappers
 # ----------------------------------------------------------------------------------------
 def state_summaries(k, v, ag, gcum, plan: SplitPlan):
-    """(h [NP,HV,K,V], M [NP,HV,K,K], starts [NP,HV]) of the partitions of split sequences
-    (other rows of h and M are left unset; starts from `warmup_starts`). Inputs packed
-    [1, T, ...]."""
+    """(h [NP,HV,K,V], M [NP,HV,K,K]) fp32 of the partitions of split sequences (other rows
+    are left unset), with the warm-up shortcut of `warmup_starts`. Inputs packed [1, T, ...]."""
     _, _, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     NP = plan.num_parts
     h = torch.empty(NP, HV, K, V, dtype=torch.float32, device=k.device)
     M = torch.empty(NP, HV, K, K, dtype=torch.float32, device=k.device)
-    starts = warmup_starts(gcum, plan)
     if plan.split_parts:
         dev = plan.device_tensors(k.device)
         kern = compile_kernel(build_state_summary_kernel, H=H, HV=HV, K=K, V=V, dtype=tl_dtype(k.dtype))
-        kern(k, v, ag, gcum, dev["part_cu"], dev["todo"], starts, h, M)
-    return h, M, starts
+        kern(k, v, ag, gcum, dev["part_cu"], dev["todo"], warmup_starts(gcum, plan), h, M)
+    return h, M
 
 
 def _scan_block_v(V: int) -> int:
