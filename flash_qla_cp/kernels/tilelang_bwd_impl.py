@@ -108,8 +108,11 @@ def build_bwd_h_kernel(H: int, HV: int, K: int, V: int, dtype: str, use_initial_
         T.copy(s_f, h_s)
         T.copy(h_s, h_out[cidx, bhv, :, v0 : v0 + BV])
         T.gemm(k_s, h_s, x_f, clear_accum=True)
+        # loads and shared stores in separate loops, the row mask without loads (see the grad
+        # kernel's note: otherwise each element is serialised)
         for i, d in T.Parallel(C, BV):
-            vr_s[i, d] = v_s[i, d] - T.exp2(g_s[i] * LOG2E) * x_f[i, d]
+            x_f[i, d] = v_s[i, d] - T.exp2(g_s[i] * LOG2E) * x_f[i, d]
+        T.copy(x_f, vr_s)
         if full:
             T.copy(vr_s, vres_out[0, t0 : t0 + C, bhv, v0 : v0 + BV])
         else:
@@ -119,7 +122,10 @@ def build_bwd_h_kernel(H: int, HV: int, K: int, V: int, dtype: str, use_initial_
         T.gemm(a_s, vr_s, vn_f, clear_accum=True)
         glast = g_s[C - 1]
         for i, d in T.Parallel(C, BV):
-            vn_s[i, d] = T.if_then_else(i < L, vn_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E), T.float32(0))
+            vn_f[i, d] = vn_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E)
+        for i, d in T.Parallel(C, BV):
+            vn_f[i, d] = T.if_then_else(i < L, vn_f[i, d], T.float32(0))
+        T.copy(vn_f, vn_s)
         for i, d in T.Parallel(K, BV):
             s_f[i, d] = s_f[i, d] * T.exp2(glast * LOG2E)
         T.gemm(k_s, vn_s, s_f, transpose_A=True)
@@ -545,7 +551,7 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.gemm(dvn_s, vr_s, cc_f, transpose_B=True, clear_accum=True)
                 for i, jj in T.Parallel(C, C):
                     cc_f[i, jj] = T.if_then_else(i >= jj, cc_f[i, jj], T.float32(0))
-                    m1_s[i, jj] = cc_f[i, jj]
+                T.copy(cc_f, m1_s)
                 for i, jj in T.Parallel(C, C):
                     x_f[i, jj] = cc_f[i, jj] * a_s[i, jj]
                 T.reduce_sum(x_f, col_f, dim=0)
@@ -553,18 +559,22 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 # t = Ag^T dvn (= dv); keep -t
                 T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
                 for i, d in T.Parallel(C, V):
-                    tn_s[i, d] = -cv_f[i, d]
+                    cv_f[i, d] = -cv_f[i, d]
+                T.copy(cv_f, tn_s)
                 # BdA = -Ag^T (dAg Ag^T)
                 T.gemm(m1_s, a_s, cc_f, transpose_B=True, clear_accum=True)
                 T.copy(cc_f, m2_s)
                 T.gemm(a_s, m2_s, cc2_f, transpose_A=True, clear_accum=True)
+                # Elementwise steps: the gate in a loop of loads only, the mask in a loop without
+                # loads (a load under a condition becomes a branch per element), shared stores by
+                # themselves (shared loads after a shared store cannot be hoisted above it). G
+                # falls along the chunk, so the clamp changes only masked entries.
                 for i, jj in T.Parallel(C, C):
-                    x_f[i, jj] = T.if_then_else(
-                        i > jj, -cc2_f[i, jj] * kk_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E), T.float32(0)
-                    )
-                    m2_s[i, jj] = T.if_then_else(
-                        i > jj, -cc2_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E), T.float32(0)
-                    )
+                    cc2_f[i, jj] = -cc2_f[i, jj] * T.exp2(T.min(g_s[i] - g_s[jj], T.float32(0)) * LOG2E)
+                for i, jj in T.Parallel(C, C):
+                    cc2_f[i, jj] = T.if_then_else(i > jj, cc2_f[i, jj], T.float32(0))
+                    x_f[i, jj] = cc2_f[i, jj] * kk_f[i, jj]
+                T.copy(cc2_f, m2_s)
                 T.reduce_sum(x_f, row_f, dim=1)
                 T.reduce_sum(x_f, col_f, dim=0)
                 T.copy(row_f, r_2r)
@@ -572,13 +582,11 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 # Pm = scale tril_incl(dO v_new^T o Gam)
                 T.gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
                 for i, jj in T.Parallel(C, C):
-                    x_f[i, jj] = T.if_then_else(
-                        i >= jj, cc2_f[i, jj] * qk_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E) * scale,
-                        T.float32(0),
-                    )
-                    m1_s[i, jj] = T.if_then_else(
-                        i >= jj, cc2_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E) * scale, T.float32(0)
-                    )
+                    cc2_f[i, jj] = cc2_f[i, jj] * T.exp2(T.min(g_s[i] - g_s[jj], T.float32(0)) * LOG2E) * scale
+                for i, jj in T.Parallel(C, C):
+                    cc2_f[i, jj] = T.if_then_else(i >= jj, cc2_f[i, jj], T.float32(0))
+                    x_f[i, jj] = cc2_f[i, jj] * qk_f[i, jj]
+                T.copy(cc2_f, m1_s)
                 T.reduce_sum(x_f, row_f, dim=1)
                 T.reduce_sum(x_f, col_f, dim=0)
                 T.copy(row_f, r_1r)
@@ -606,7 +614,9 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.copy(row_f, r_kw)
                 T.gemm(vn_s, dh_s, tmp_f, transpose_B=True, clear_accum=True)
                 for i, d in T.Parallel(C, K):
-                    tmp_f[i, d] = T.if_then_else(i < L, tmp_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E), T.float32(0))
+                    tmp_f[i, d] = tmp_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E)
+                for i, d in T.Parallel(C, K):
+                    tmp_f[i, d] = T.if_then_else(i < L, tmp_f[i, d], T.float32(0))
                     dk_f[i, d] = dk_f[i, d] + tmp_f[i, d]
                 for i, d in T.Parallel(C, K):
                     tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]

@@ -110,10 +110,12 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
         if L == C:
             T.copy(k[bb, t0 : t0 + C, bh, :], k_s)
         else:
+            # Rows >= L are zero: clamped-row loads (L >= 1), then the zeros in a store-only loop
+            # (a load under a condition compiled to a branch per row, serialising the loads).
             for i, d in T.Parallel(C, K):
-                if i < L:
-                    k_s[i, d] = k[bb, t0 + i, bh, d]
-                else:
+                k_s[i, d] = k[bb, t0 + T.min(i, L - 1), bh, d]
+            for i, d in T.Parallel(C, K):
+                if i >= L:
                     k_s[i, d] = T.cast(0, dtype)
         for i in T.Parallel(C):
             if i < L:
@@ -128,9 +130,18 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
                 g_out[bb, t0 + i, bhv] = g_s[i]
 
         T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+        # Elementwise steps: compute in registers (loads only), mask in a loop without loads
+        # (a load under a condition compiles to a branch per element), then store by itself
+        # (shared loads placed after a shared store cannot be hoisted above it: the compiler
+        # cannot tell the shared buffers apart, which serialises load -> store per element).
         for i, j in T.Parallel(C, C):
-            n_s[i, j] = T.cast(T.if_then_else(i > j, kk_f[i, j] * b_s[i], T.float32(0)), inv_dtype)
-            d_s[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), T.float32(0)), inv_dtype)
+            kk_f[i, j] = kk_f[i, j] * b_s[i]
+        for i, j in T.Parallel(C, C):
+            kk_f[i, j] = T.if_then_else(i > j, kk_f[i, j], T.float32(0))
+        T.copy(kk_f, n_s)
+        for i, j in T.Parallel(C, C):
+            kk_f[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))
+        T.copy(kk_f, d_s)
         T.sync_threads()
 
         # Column-wise forward substitution inside each 16x16 diagonal block: thread (blk, c)
@@ -159,18 +170,23 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
         T.gemm(d_s, n_s, z_f, clear_accum=True)
         T.copy(z_f, n_s)  # n_s now holds E
         T.gemm(n_s, d_s, z_f, clear_accum=True)
+        # z = D - E (...) in registers, then stored by itself (rounded to inv_dtype by the copy)
         for i, j in T.Parallel(C, C):
-            z_s[i, j] = T.cast(T.cast(d_s[i, j], acc) - z_f[i, j], inv_dtype)
+            z_f[i, j] = T.cast(d_s[i, j], acc) - z_f[i, j]
+        T.copy(z_f, z_s)
         T.gemm(n_s, z_s, z_f, clear_accum=True)
         for i, j in T.Parallel(C, C):
-            z_s[i, j] = T.cast(T.cast(d_s[i, j], acc) - z_f[i, j], inv_dtype)
+            z_f[i, j] = T.cast(d_s[i, j], acc) - z_f[i, j]
+        T.copy(z_f, z_s)
         T.gemm(n_s, z_s, z_f, clear_accum=True)
+        # Gated for every entry, then masked in a loop without loads. No clamp of the exponent:
+        # entries above the diagonal may overflow to inf / NaN, but the select discards them
+        # (a clamp could change valid entries wherever the cumsum is not exactly monotone).
         for i, j in T.Parallel(C, C):
-            out_s[i, j] = T.if_then_else(
-                (i >= j) and (i < L) and (j < L),
-                (T.cast(d_s[i, j], acc) - z_f[i, j]) * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j],
-                T.float32(0),
-            )
+            z_f[i, j] = (T.cast(d_s[i, j], acc) - z_f[i, j]) * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j]
+        for i, j in T.Parallel(C, C):
+            z_f[i, j] = T.if_then_else((i >= j) and (i < L) and (j < L), z_f[i, j], T.float32(0))
+        T.copy(z_f, out_s)
         if L == C:
             T.copy(out_s, a_out[bb, t0 : t0 + C, bhv, :])
         else:

@@ -347,13 +347,21 @@ def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, bloc
                     gl_s[i] = g_s[i]
                 T.copy(s_f, h_s)
                 T.gemm(k_s, h_s, x_f, clear_accum=True)
+                # Elementwise steps: loads in loops of their own, masks without loads (a load
+                # under a condition becomes a branch per element), shared stores by themselves
+                # (shared loads after a shared store cannot be hoisted above it). The v tile is
+                # always loaded (finite), so M blocks zero it by a factor.
                 for i, j in T.Parallel(C, BC):
-                    w_s[i, j] = (T.if_then_else(c0 < V, T.cast(v_s[i, j], acc), T.float32(0))
+                    x_f[i, j] = (T.cast(v_s[i, j], acc) * T.if_then_else(c0 < V, T.float32(1), T.float32(0))
                                  - T.exp2(gl_s[i] * LOG2E) * x_f[i, j])
+                T.copy(x_f, w_s)
                 T.gemm(a_s, w_s, vn_f, clear_accum=True)
                 glast = gl_s[C - 1]
                 for i, j in T.Parallel(C, BC):
-                    vd_s[i, j] = T.if_then_else(i < L, vn_f[i, j] * T.exp2((glast - gl_s[i]) * LOG2E), T.float32(0))
+                    vn_f[i, j] = vn_f[i, j] * T.exp2((glast - gl_s[i]) * LOG2E)
+                for i, j in T.Parallel(C, BC):
+                    vn_f[i, j] = T.if_then_else(i < L, vn_f[i, j], T.float32(0))
+                T.copy(vn_f, vd_s)
                 for i, j in T.Parallel(K, BC):
                     s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
                 T.gemm(k_s, vd_s, s_f, transpose_A=True)
