@@ -4,10 +4,10 @@ Builds the kernel with `trace=True` (tilelang_fwd_ws.py) for each variant, runs 
 a warm-up on a benchmark shape, and prints per warpgroup the median cycles of each phase over
 all chunks and CTAs:
 
-  state : wait (data, keys, out_done) | publish S | GEMM 1 | w | GEMM 2 | publish v_new | update
+  state : wait (data, out_done) | publish S | GEMM 1 | w | GEMM 2 | publish v_new | update
   output: wait data | q k^T + mask | wait S | q S | wait v_new | P v_new | store o
 
-    python benchmarks/trace_fwd.py --shape tp1_1x8k --variants ws64,ws64k,ws64r
+    python benchmarks/trace_fwd.py --shape tp1_1x8k --variants ws32,ws64
 """
 
 import argparse
@@ -36,7 +36,7 @@ PHASES = {
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="tp1_1x8k")
-    ap.add_argument("--variants", default="ws64,ws64k,ws64r")
+    ap.add_argument("--variants", default="ws32,ws64")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

@@ -20,13 +20,11 @@ from flash_qla_cp.kernels.tilelang_fwd import fwd_kernel_specs, prepare_fwd  # n
 
 
 def opts(var):
-    """'bv:stages:async:threads:osmem' -> single-warpgroup kernel options; 'ws<bv>[s<stages>][k|r]'
-    -> the warp-specialised kernel with that block_v (ring depth; k: prescaled_k; r: register_chain)."""
-    if var.startswith("ws"):  # ws<bv>, ws<bv>s<stages>, ws<bv>k (prescaled_k), ws<bv>r (register_chain)
-        spec = var[2:]
-        extra = {"prescaled_k": True} if spec.endswith("k") else {"register_chain": True} if spec.endswith("r") else {}
-        bv, _, st = spec.rstrip("kr").partition("s")
-        return dict(warp_specialized=True, block_v=int(bv), **({"num_stages": int(st)} if st else {}), **extra)
+    """'bv:stages:async:threads:osmem' -> single-warpgroup kernel options; 'ws<bv>[s<stages>]'
+    -> the warp-specialised kernel with that block_v (and ring depth)."""
+    if var.startswith("ws"):  # ws<bv>, ws<bv>s<stages>
+        bv, _, st = var[2:].partition("s")
+        return dict(warp_specialized=True, block_v=int(bv), **({"num_stages": int(st)} if st else {}))
     bv, st, am, th, osm = (int(x) for x in var.split(":"))
     return dict(block_v=bv, num_stages=st, async_mma=bool(am), threads=th, o_store_smem=bool(osm))
 

@@ -111,10 +111,8 @@ def _warp_specialized_cases() -> list[KernelCase]:
                 expect=("wgmma", "tma_load", "warpgroup_reg_alloc"),
             )
         )
-    # the options: a three-stage ring, gated keys written by the loader's helper warps, and
-    # the state chain on register operands
-    for bv, opts in ((64, {"num_stages": 3}), (64, {"prescaled_k": True}), (32, {"prescaled_k": True}),
-                     (64, {"register_chain": True})):
+    # the option: a three-stage ring
+    for bv, opts in ((64, {"num_stages": 3}),):
         tag = "_".join(f"{k}{int(v)}" for k, v in opts.items())
         cases.append(
             KernelCase(

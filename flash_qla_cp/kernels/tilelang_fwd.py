@@ -495,7 +495,7 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
 
     `fused_opts` go to `build_fused_fwd_kernel` (threads, num_stages, async_mma, o_store_smem);
     `warp_specialized=True` picks `tilelang_fwd_ws.build_fused_fwd_ws_kernel` instead (same
-    arguments; only block_v and num_stages apply to it, plus its prescaled_k / register_chain).
+    arguments; only block_v and num_stages apply to it).
     """
     if block_v is None:
         block_v = 64 if V % 64 == 0 else V
@@ -510,15 +510,9 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
     if opts.pop("warp_specialized", False):
         from .tilelang_fwd_ws import build_fused_fwd_ws_kernel
 
-        # of the single-warpgroup options only the ring depth applies (default 2), plus its own
+        # of the single-warpgroup options only the ring depth applies (default 2)
         factory = build_fused_fwd_ws_kernel
-        ws_opts = {}
-        if opts.get("num_stages", 2) != 2:
-            ws_opts["num_stages"] = opts["num_stages"]
-        for flag in ("prescaled_k", "register_chain"):
-            if opts.get(flag):
-                ws_opts[flag] = True
-        opts = ws_opts
+        opts = {"num_stages": opts["num_stages"]} if opts.get("num_stages", 2) != 2 else {}
     fused.update(opts)
     return [
         (build_prepare_kernel, dict(H=H, HV=HV, K=K, dtype=dtype, is_varlen=bool(is_varlen))),

@@ -38,47 +38,29 @@ def build_fused_fwd_ws_kernel(
     state_v_first: bool = False,
     block_v: int = 64,
     num_stages: int = 2,
-    prescaled_k: bool = False,
-    register_chain: bool = False,
     trace: bool = False,
 ):
     """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N or B, HV),
     384 threads). num_stages: depth of the loader's ring (chunks loaded ahead).
 
-    prescaled_k: two idle warps of the loader's warpgroup write diag(exp G) k and
-    diag(exp(G_L - G)) k (rows >= L zero) next to each ring stage, so the state chain runs
-    x = (exp(G) k) S, w = v - x, v_new = Ag w, S = exp(G_L) S + (exp(G_L - G) k)^T v_new with
-    no exponentials and no gate loads of its own. The gated keys are rounded to bf16 (as k is),
-    so results differ from the default in the last bits.
-
     trace (a measurement build, not for use): thread 0 of the state and of the output
     warpgroup read clock64() at 8 points per chunk and write the 7 differences (cycles, as
     float) of chunk c to ht[n, h, :, v0:v0+BV] viewed flat, at [r * K * BV / 2 + 8 c + p]
-    (r = 0 state, 1 output; the first K * BV / 16 chunks); the final state is not stored.
-
-    register_chain (implies prescaled_k; block_v 64): the state warpgroup holds S^T [BV, K]
-    and every GEMM of its chain takes its first operand from registers (wgmma with A in
-    registers, the accumulator converted to bf16 in place): x^T = S^T (exp(G) k)^T,
-    v_new^T = (v - x)^T Ag^T, S^T = exp(G_L) S^T + v_new^T (exp(G_L - G) k). Nothing the chain
-    reads goes through shared memory; S^T and v_new^T are stored there for the output
-    warpgroup only, and the helpers also write v^T per ring stage."""
+    (r = 0 state, 1 output; the first K * BV / 16 chunks); the final state is not stored."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
     dtype = tl_dtype(dtype)
     G = HV // H
     BV = block_v
-    prescaled_k = prescaled_k or register_chain
     assert V % BV == 0 and BV % 16 == 0 and K % 64 == 0 and num_stages >= 2
-    assert not register_chain or BV == 64, "register_chain: the chain's GEMMs are m64 (block_v 64)"
     NS = num_stages
     NV = V // BV
     scale = float(scale)
     WG = 128
     # registers per thread (setmaxnreg): the loader gives its share to the two consumers,
     # whose S block and accumulators (BV = 64: 128 floats) must not spill
-    LOADER_REGS, CONSUMER_REGS = (56, 224) if prescaled_k else (40, 232)
-    HELPERS = 64  # threads of the loader's warpgroup that scale k (prescaled_k)
+    LOADER_REGS, CONSUMER_REGS = 40, 232
     assert not (trace and store_final_state), "trace writes its timings where the final state goes"
     TRACE_CHUNKS = K * BV // 16
 
@@ -105,42 +87,24 @@ def build_fused_fwd_ws_kernel(
         v_s = T.alloc_shared((NS, C, BV), dtype)
         a_s = T.alloc_shared((NS, C, C), dtype)
         g_s = T.alloc_shared((NS, C), acc)
-        # state -> output (single buffers, released by out_done); transposed with register_chain
-        h_s = T.alloc_shared((BV, K) if register_chain else (K, BV), dtype)
-        vn_s = T.alloc_shared((BV, C) if register_chain else (C, BV), dtype)
+        # state -> output (single buffers, released by out_done)
+        h_s = T.alloc_shared((K, BV), dtype)
+        vn_s = T.alloc_shared((C, BV), dtype)
         # private to one warpgroup
-        w_s = None if register_chain else T.alloc_shared((C, BV), dtype)
-        vd_s = None if prescaled_k else T.alloc_shared((C, BV), dtype)
+        w_s = T.alloc_shared((C, BV), dtype)
+        vd_s = T.alloc_shared((C, BV), dtype)
         p_s = T.alloc_shared((C, C), dtype)
-        # gated keys per ring stage (prescaled_k): exp(G) k and exp(G_L - G) k
-        kg_s = T.alloc_shared((NS, C, K), dtype) if prescaled_k else None
-        kd_s = T.alloc_shared((NS, C, K), dtype) if prescaled_k else None
-        # v^T per ring stage (register_chain), also written by the helpers; rows padded by 8
-        # elements so that neither the helpers' transposing stores nor the state warpgroup's
-        # accumulator-shaped reads fall into one bank
-        vt_s = T.alloc_shared((NS, BV, C + 8), dtype) if register_chain else None
-        # the helpers' row factors exp(G) and exp(G_L - G) (rows >= L: 0)
-        eg_s = T.alloc_shared((C,), acc) if prescaled_k else None
-        ed_s = T.alloc_shared((C,), acc) if prescaled_k else None
-
-        # register_chain keeps the state warpgroup's operands transposed ([BV, .])
-        s_f = T.alloc_fragment((BV, K) if register_chain else (K, BV), acc)
-        x_f = T.alloc_fragment((BV, C) if register_chain else (C, BV), acc)
-        vn_f = T.alloc_fragment((BV, C) if register_chain else (C, BV), acc)
+        s_f = T.alloc_fragment((K, BV), acc)
+        x_f = T.alloc_fragment((C, BV), acc)
+        vn_f = T.alloc_fragment((C, BV), acc)
         p_f = T.alloc_fragment((C, C), acc)
         o_f = T.alloc_fragment((C, BV), acc)
         glast = T.alloc_var(acc)
-        # bf16 copies of the accumulators, the register operands of the next GEMM
-        sb_f = T.alloc_fragment((BV, K), dtype) if register_chain else None
-        wb_f = T.alloc_fragment((BV, C), dtype) if register_chain else None
-        vb_f = T.alloc_fragment((BV, C), dtype) if register_chain else None
-
         data_ready = T.alloc_barrier(arrive_count=[32] * NS)
         data_free = T.alloc_barrier(arrive_count=[2 * WG] * NS)
         h_ready = T.alloc_barrier(arrive_count=WG)
         vn_ready = T.alloc_barrier(arrive_count=WG)
         out_done = T.alloc_barrier(arrive_count=WG)
-        keys_ready = T.alloc_barrier(arrive_count=[HELPERS] * NS) if prescaled_k else None
 
         n_chunks = T.ceildiv(seq_len, C)
         tx = T.get_thread_binding()
@@ -149,138 +113,63 @@ def build_fused_fwd_ws_kernel(
         if tx < WG:
             # ---- state warpgroup ----
             T.set_max_nreg(CONSUMER_REGS, 1)
-            if register_chain:
-                # S^T in registers, register-operand GEMMs
-                if use_initial_state:
-                    if state_v_first:
-                        T.copy(h0[n, bhv, v0 : v0 + BV, :], s_f)
-                    else:
-                        for i, j in T.Parallel(BV, K):
-                            s_f[i, j] = h0[n, bhv, j, v0 + i]
+            if use_initial_state:
+                if state_v_first:
+                    for i, j in T.Parallel(K, BV):
+                        s_f[i, j] = h0[n, bhv, v0 + j, i]
                 else:
-                    T.clear(s_f)
-                T.copy(s_f, sb_f)
-                for c in T.serial(n_chunks):
-                    stamp(st, 0)
-                    s = c % NS
-                    L = T.min(seq_len - c * C, C)
-                    T.barrier_wait(data_ready[s], (c // NS) % 2)
-                    T.barrier_wait(keys_ready[s], (c // NS) % 2)
-                    T.barrier_wait(out_done, (c + 1) % 2)  # chunk c-1's reads of h_s / vn_s are done
-                    stamp(st, 1)
-                    T.copy(sb_f, h_s)  # S^T entering chunk c, for the output warpgroup
-                    T.fence_proxy_async()
-                    T.barrier_arrive(h_ready)
-                    stamp(st, 2)
-                    glast = g_s[s, C - 1]
-                    T.gemm(sb_f, kg_s[s, :, :], x_f, transpose_B=True, clear_accum=True)
-                    stamp(st, 3)
-                    for i, j in T.Parallel(BV, C):
-                        wb_f[i, j] = vt_s[s, i, j] - x_f[i, j]
-                    stamp(st, 4)
-                    T.gemm(wb_f, a_s[s, :, :], vn_f, transpose_B=True, clear_accum=True)
-                    stamp(st, 5)
-                    # columns >= L zeroed: their keys are zero, and 0 * (whatever) must stay 0
-                    for i, j in T.Parallel(BV, C):
-                        vb_f[i, j] = T.if_then_else(j < L, vn_f[i, j], T.float32(0))
-                    T.copy(vb_f, vn_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(vn_ready)
-                    stamp(st, 6)
-                    for i, j in T.Parallel(BV, K):
-                        s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
-                    T.gemm(vb_f, kd_s[s, :, :], s_f)
-                    stamp(st, 7)
-                    T.barrier_arrive(data_free[s])
-                    T.copy(s_f, sb_f)
-                    flush(st, ht, n, bhv, v0, c, tx, 0)
-                if store_final_state:
-                    if state_v_first:
-                        T.copy(s_f, ht[n, bhv, v0 : v0 + BV, :])
-                    else:
-                        for i, j in T.Parallel(BV, K):
-                            ht[n, bhv, j, v0 + i] = s_f[i, j]
+                    T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
             else:
-                if use_initial_state:
-                    if state_v_first:
-                        for i, j in T.Parallel(K, BV):
-                            s_f[i, j] = h0[n, bhv, v0 + j, i]
-                    else:
-                        T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
+                T.clear(s_f)
+            for c in T.serial(n_chunks):
+                stamp(st, 0)
+                s = c % NS
+                L = T.min(seq_len - c * C, C)
+                T.barrier_wait(data_ready[s], (c // NS) % 2)
+                T.barrier_wait(out_done, (c + 1) % 2)  # chunk c-1's reads of h_s / vn_s are done
+                stamp(st, 1)
+                T.copy(s_f, h_s)
+                T.fence_proxy_async()
+                T.barrier_arrive(h_ready)
+                stamp(st, 2)
+                T.gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
+                stamp(st, 3)
+                # Elementwise steps compute in registers, then store in a loop of their
+                # own: shared loads placed after a shared store cannot be hoisted above
+                # it (the compiler cannot tell the buffers apart), which serialised
+                # load -> exp -> store per element (trace: ~1.3k cycles per step).
+                for i, j in T.Parallel(C, BV):
+                    x_f[i, j] = v_s[s, i, j] - T.exp2(g_s[s, i] * LOG2E) * x_f[i, j]
+                T.copy(x_f, w_s)
+                T.fence_proxy_async()
+                stamp(st, 4)
+                T.gemm(a_s[s, :, :], w_s, vn_f, clear_accum=True)
+                stamp(st, 5)
+                glast = g_s[s, C - 1]  # padding rows repeat the last valid G
+                T.copy(vn_f, vn_s)
+                T.fence_proxy_async()
+                T.barrier_arrive(vn_ready)
+                # the gate, then the row mask in a loop without loads: a load under a
+                # condition is compiled as a branch per element, which serialises
+                for i, j in T.Parallel(C, BV):
+                    vn_f[i, j] = vn_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E)
+                for i, j in T.Parallel(C, BV):
+                    vn_f[i, j] = T.if_then_else(i < L, vn_f[i, j], T.float32(0))
+                T.copy(vn_f, vd_s)
+                T.fence_proxy_async()
+                stamp(st, 6)
+                for i, j in T.Parallel(K, BV):
+                    s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
+                T.gemm(k_s[s, :, :], vd_s, s_f, transpose_A=True)
+                stamp(st, 7)
+                T.barrier_arrive(data_free[s])
+                flush(st, ht, n, bhv, v0, c, tx, 0)
+            if store_final_state:
+                if state_v_first:
+                    for i, j in T.Parallel(K, BV):
+                        ht[n, bhv, v0 + j, i] = s_f[i, j]
                 else:
-                    T.clear(s_f)
-                for c in T.serial(n_chunks):
-                    stamp(st, 0)
-                    s = c % NS
-                    L = T.min(seq_len - c * C, C)
-                    T.barrier_wait(data_ready[s], (c // NS) % 2)
-                    if prescaled_k:
-                        T.barrier_wait(keys_ready[s], (c // NS) % 2)
-                    T.barrier_wait(out_done, (c + 1) % 2)  # chunk c-1's reads of h_s / vn_s are done
-                    stamp(st, 1)
-                    T.copy(s_f, h_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(h_ready)
-                    stamp(st, 2)
-                    if prescaled_k:
-                        glast = g_s[s, C - 1]
-                        T.gemm(kg_s[s, :, :], h_s, x_f, clear_accum=True)
-                        stamp(st, 3)
-                        for i, j in T.Parallel(C, BV):
-                            w_s[i, j] = v_s[s, i, j] - x_f[i, j]
-                        T.fence_proxy_async()
-                        stamp(st, 4)
-                        T.gemm(a_s[s, :, :], w_s, vn_f, clear_accum=True)
-                        stamp(st, 5)
-                        # rows >= L zeroed: their keys are zero, and 0 * (whatever) must stay 0
-                        for i, j in T.Parallel(C, BV):
-                            vn_s[i, j] = T.if_then_else(i < L, vn_f[i, j], T.float32(0))
-                        T.fence_proxy_async()
-                        T.barrier_arrive(vn_ready)
-                        stamp(st, 6)
-                        for i, j in T.Parallel(K, BV):
-                            s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
-                        T.gemm(kd_s[s, :, :], vn_s, s_f, transpose_A=True)
-                        stamp(st, 7)
-                    else:
-                        T.gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
-                        stamp(st, 3)
-                        # Elementwise steps compute in registers, then store in a loop of their
-                        # own: shared loads placed after a shared store cannot be hoisted above
-                        # it (the compiler cannot tell the buffers apart), which serialised
-                        # load -> exp -> store per element (trace: ~1.3k cycles per step).
-                        for i, j in T.Parallel(C, BV):
-                            x_f[i, j] = v_s[s, i, j] - T.exp2(g_s[s, i] * LOG2E) * x_f[i, j]
-                        T.copy(x_f, w_s)
-                        T.fence_proxy_async()
-                        stamp(st, 4)
-                        T.gemm(a_s[s, :, :], w_s, vn_f, clear_accum=True)
-                        stamp(st, 5)
-                        glast = g_s[s, C - 1]  # padding rows repeat the last valid G
-                        T.copy(vn_f, vn_s)
-                        T.fence_proxy_async()
-                        T.barrier_arrive(vn_ready)
-                        # the gate, then the row mask in a loop without loads: a load under a
-                        # condition is compiled as a branch per element, which serialises
-                        for i, j in T.Parallel(C, BV):
-                            vn_f[i, j] = vn_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E)
-                        for i, j in T.Parallel(C, BV):
-                            vn_f[i, j] = T.if_then_else(i < L, vn_f[i, j], T.float32(0))
-                        T.copy(vn_f, vd_s)
-                        T.fence_proxy_async()
-                        stamp(st, 6)
-                        for i, j in T.Parallel(K, BV):
-                            s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
-                        T.gemm(k_s[s, :, :], vd_s, s_f, transpose_A=True)
-                        stamp(st, 7)
-                    T.barrier_arrive(data_free[s])
-                    flush(st, ht, n, bhv, v0, c, tx, 0)
-                if store_final_state:
-                    if state_v_first:
-                        for i, j in T.Parallel(K, BV):
-                            ht[n, bhv, v0 + j, i] = s_f[i, j]
-                    else:
-                        T.copy(s_f, ht[n, bhv, :, v0 : v0 + BV])
+                    T.copy(s_f, ht[n, bhv, :, v0 : v0 + BV])
         elif tx < 2 * WG:
             # ---- output warpgroup ----
             T.set_max_nreg(CONSUMER_REGS, 1)
@@ -304,13 +193,13 @@ def build_fused_fwd_ws_kernel(
                 stamp(st, 2)
                 T.barrier_wait(h_ready, c % 2)
                 stamp(st, 3)
-                T.gemm(q_s[s, :, :], h_s, o_f, transpose_B=register_chain, clear_accum=True)
+                T.gemm(q_s[s, :, :], h_s, o_f, clear_accum=True)
                 for i, j in T.Parallel(C, BV):
                     o_f[i, j] = o_f[i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale)
                 stamp(st, 4)
                 T.barrier_wait(vn_ready, c % 2)
                 stamp(st, 5)
-                T.gemm(p_s, vn_s, o_f, transpose_B=register_chain)
+                T.gemm(p_s, vn_s, o_f)
                 T.barrier_arrive(out_done)
                 T.barrier_arrive(data_free[s])
                 stamp(st, 6)
@@ -337,22 +226,5 @@ def build_fused_fwd_ws_kernel(
                     for i in T.Parallel(C):
                         g_s[s, i] = gc[bb, t0 + T.min(i, L - 1), bhv]
                     T.barrier_arrive(data_ready[s])
-            elif prescaled_k and tx < 2 * WG + 32 + HELPERS:
-                # ---- helpers: gated keys for the state warpgroup, off its chain ----
-                for c in T.serial(n_chunks):
-                    s = c % NS
-                    L = T.min(seq_len - c * C, C)
-                    T.barrier_wait(data_ready[s], (c // NS) % 2)
-                    for i in T.Parallel(C):
-                        eg_s[i] = T.exp2(g_s[s, i] * LOG2E)
-                        ed_s[i] = T.if_then_else(i < L, T.exp2((g_s[s, C - 1] - g_s[s, i]) * LOG2E), T.float32(0))
-                    for i, d in T.Parallel(C, K):
-                        kg_s[s, i, d] = k_s[s, i, d] * eg_s[i]
-                        kd_s[s, i, d] = k_s[s, i, d] * ed_s[i]
-                    if register_chain:
-                        for i, j in T.Parallel(C, BV):
-                            vt_s[s, j, i] = v_s[s, i, j]
-                    T.fence_proxy_async()
-                    T.barrier_arrive(keys_ready[s])
 
     return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, 3 * WG)
