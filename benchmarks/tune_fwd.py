@@ -20,10 +20,11 @@ from flash_qla_cp.kernels.tilelang_fwd import fwd_kernel_specs, prepare_fwd  # n
 
 
 def opts(var):
-    """'bv:stages:async:threads:osmem' -> single-warpgroup kernel options; 'ws<bv>' -> the
-    warp-specialised kernel with that block_v."""
-    if var.startswith("ws"):
-        return dict(warp_specialized=True, block_v=int(var[2:]))
+    """'bv:stages:async:threads:osmem' -> single-warpgroup kernel options; 'ws<bv>[s<stages>]'
+    -> the warp-specialised kernel with that block_v (and ring depth)."""
+    if var.startswith("ws"):  # ws<bv>, ws<bv>s<stages>
+        bv, _, st = var[2:].partition("s")
+        return dict(warp_specialized=True, block_v=int(bv), **({"num_stages": int(st)} if st else {}))
     bv, st, am, th, osm = (int(x) for x in var.split(":"))
     return dict(block_v=bv, num_stages=st, async_mma=bool(am), threads=th, o_store_smem=bool(osm))
 

@@ -24,7 +24,7 @@ else:
 
 def test_cases_cover_every_kernel():
     entries = {c[3] for c in CASES}
-    assert {"gdn_bwd_h", "gdn_bwd_dh", "gdn_bwd_grad_group"} <= entries
+    assert {"gdn_bwd_h", "gdn_bwd_dh", "gdn_bwd_dh_limited", "gdn_bwd_grad_group"} <= entries
     assert any("float16_k64" in c[0] for c in CASES) and any("bfloat16_k128" in c[0] for c in CASES)
 
 

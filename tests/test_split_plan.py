@@ -7,10 +7,12 @@ from flash_qla_cp.kernels.tilelang_common import CHUNK, chunk_table, kernel_oper
 from flash_qla_cp.kernels.tilelang_split import (
     WARMUP_LOG_DECAY,
     auto_partitions,
+    dh_warmup_chunks,
     host_chunk_table,
     plan_split,
     warmup_starts,
 )
+from flash_qla_cp.kernels.reference_chunked import chunk_gated_delta_rule_torch
 from flash_qla_cp.parallel.transition import segment_transitions
 from flash_qla_cp.testing import make_gdn_inputs
 
@@ -111,6 +113,24 @@ def test_warmup_starts_are_the_last_chunk_with_enough_decay():
     assert (starts[:, 0] >= 1).any() and (starts[:, 0] == -1).any()  # slow: long warm-ups, or none
 
 
+def test_dh_warmup_covers_the_first_chunks_until_enough_decay():
+    """The backward's first dh walk per partition: the fewest leading chunks whose decays sum
+    below the threshold (all chunks if they never do, none for an empty partition)."""
+    cu = [0, 64 * 37 + 5, 64 * 37 + 5, 64 * 37 + 5 + 64 * 20]
+    plan = plan_split(cu, HV=3, V=128, parts=3)
+    g = _gates(cu[-1], [0.03, 1.0, 0.0], seed=1)
+    walk = dh_warmup_chunks(_chunk_local_cumsum(g, cu).float(), plan)
+    assert walk.shape == (plan.num_parts, 3) and walk.dtype == torch.int32
+    for p in range(plan.num_parts):
+        a, b = plan.part_cu[p], plan.part_cu[p + 1]
+        n = -(-(b - a) // CHUNK)
+        for h in range(3):
+            heads = [g[0, a : min(a + (w + 1) * CHUNK, b), h].sum().item() for w in range(n)]
+            ok = [w for w, t in enumerate(heads) if t < WARMUP_LOG_DECAY]
+            assert walk[p, h].item() == (min(ok) + 1 if ok else n), (p, h)
+    assert (walk[:, 1] <= 1).all() and (walk[:, 0] > 1).any()
+
+
 def test_warmup_walk_gives_the_partition_summary():
     """h from a zero state over the chunks from the warm-up start equals the whole partition's h
     (the dropped part is damped below exp(WARMUP_LOG_DECAY)), and M is that small too."""
@@ -165,3 +185,37 @@ def test_kernel_operands_are_copied_only_when_misaligned():
     strided = torch.zeros(4, 8)[:, ::2]
     assert kernel_operand(strided).is_contiguous()
 
+
+
+def test_dh_warmup_walk_gives_the_gradient_at_the_partition_start():
+    """The gradient reaching a partition's start from its outputs (zero gradient at its end) is
+    the same when only the outputs of its first dh_warmup_chunks chunks are kept."""
+    T, HV = 64 * 40, 2
+    x = make_gdn_inputs(seq_len=T, num_heads=1, num_v_heads=HV, head_k_dim=32, head_v_dim=32,
+                        strong_decay_heads=0, zero_gate_heads=0, generator=torch.Generator().manual_seed(5))
+    x["g"] = _gates(T, [0.004, 0.02], seed=6)
+    plan = plan_split([0, T], HV=HV, V=32, parts=2)
+    walk = dh_warmup_chunks(_chunk_local_cumsum(x["g"], [0, T]).float(), plan)
+    do = torch.randn(1, T, HV, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    checked = 0
+    for p in range(plan.num_parts):
+        a, b = plan.part_cu[p], plan.part_cu[p + 1]
+        sl = {n: t[:, a:b] for n, t in x.items()}
+
+        def grad_at_start(upto):
+            s_in = torch.zeros(1, HV, 32, 32, dtype=torch.float64, requires_grad=True)
+            o, _ = chunk_gated_delta_rule_torch(sl["q"], sl["k"], sl["v"], sl["g"], sl["beta"], 32**-0.5, s_in)
+            mask = torch.zeros(1, b - a, HV, 1, dtype=torch.float64)
+            for hv in range(HV):
+                mask[:, : upto[hv] * CHUNK, hv] = 1
+            (o * do[:, a:b] * mask).sum().backward()
+            return s_in.grad[0]
+
+        n = -(-(b - a) // CHUNK)
+        full = grad_at_start([n] * HV)
+        short = grad_at_start(walk[p].tolist())
+        for hv in range(HV):
+            if walk[p, hv] < n:
+                assert (short[hv] - full[hv]).norm() <= 1e-6 * full[hv].norm()
+                checked += 1
+    assert checked >= 2

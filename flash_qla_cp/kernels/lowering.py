@@ -111,6 +111,21 @@ def _warp_specialized_cases() -> list[KernelCase]:
                 expect=("wgmma", "tma_load", "warpgroup_reg_alloc"),
             )
         )
+    # the option: a three-stage ring
+    for bv, opts in ((64, {"num_stages": 3}),):
+        tag = "_".join(f"{k}{int(v)}" for k, v in opts.items())
+        cases.append(
+            KernelCase(
+                name=f"fwd_fused_ws_k128_bv{bv}_varlen_{tag}",
+                factory=build_fused_fwd_ws_kernel,
+                params=dict(
+                    H=2, HV=4, K=128, V=128, dtype="bfloat16", scale=128**-0.5, is_varlen=True,
+                    use_initial_state=True, store_final_state=True, block_v=bv, **opts,
+                ),
+                entry="gdn_fwd_fused_varlen",
+                expect=("wgmma", "tma_load", "warpgroup_reg_alloc"),
+            )
+        )
     return cases
 
 

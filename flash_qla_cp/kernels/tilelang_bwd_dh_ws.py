@@ -20,15 +20,16 @@ are zero past the tensor); every product that could read them is masked: P rows,
 the update reads, and the dvn rows (which zero t's rows too, as Ag's columns >= L are zero).
 """
 
-from .tilelang_bwd_impl import bwd_dh_entry
+from .tilelang_bwd_impl import bwd_dh_entry, walked_chunks
 from .tilelang_common import CHUNK, import_tilelang, tl_dtype
 
 LOG2E = 1.4426950408889634
 
 
 def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
-                           store_dh0: bool, block_v: int = 32):
-    """PrimFunc with the signature of `build_bwd_dh_kernel` (grid V/BV x N x HV, 384 threads)."""
+                           store_dh0: bool, block_v: int = 32, limit_chunks: bool = False):
+    """PrimFunc with the signature of `build_bwd_dh_kernel` (grid V/BV x N x HV, 384 threads;
+    limit_chunks as there)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -42,13 +43,14 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
     LOADER_REGS, CONSUMER_REGS = 40, 232
 
     @T.macro
-    def walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, bv, n, bhv):
+    def walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, walk_chunks, bv, n,
+             bhv):
         bh = bhv // grp
         v0 = bv * BV
         s0 = cu_seqlens[n]
         seq_len = cu_seqlens[n + 1] - s0
         c_first = chunk_offsets[n]
-        n_chunks = T.ceildiv(seq_len, C)
+        n_chunks = walked_chunks(T, T.ceildiv(seq_len, C), walk_chunks, n, bhv, limit_chunks)
 
         # two-stage ring filled by the loader
         q_s = T.alloc_shared((2, C, K), dtype)
@@ -70,6 +72,7 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
         t_f = T.alloc_fragment((C, BV), acc)
         p_f = T.alloc_fragment((C, C), acc)
         pdo_f = T.alloc_fragment((C, BV), acc)
+        doe_f = T.alloc_fragment((C, BV), acc)
         glast = T.alloc_var(acc)
 
         data_ready = T.alloc_barrier(arrive_count=[32, 32])
@@ -100,10 +103,13 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
                 T.gemm(k_s[s, :, :], dh_s, x_f, clear_accum=True)
                 glast = g_s[s, C - 1]  # padding rows repeat the last valid G
                 T.barrier_wait(aux_ready, cc % 2)
+                # Elementwise steps: loads in one loop, the row mask in a loop without loads
+                # (a load under a condition becomes a branch per element), the shared store by
+                # itself (shared loads after a shared store cannot be hoisted above it).
                 for i, j in T.Parallel(C, BV):
-                    x_f[i, j] = T.if_then_else(
-                        i < L, x_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E) + pdo_s[i, j], T.float32(0)
-                    )
+                    x_f[i, j] = x_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E) + pdo_s[i, j]
+                for i, j in T.Parallel(C, BV):
+                    x_f[i, j] = T.if_then_else(i < L, x_f[i, j], T.float32(0))
                 T.copy(x_f, dvn_s)
                 T.fence_proxy_async()
                 for i, j in T.Parallel(C, BV):
@@ -112,11 +118,12 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
                 # dv = t = Ag^T dvn
                 T.gemm(a_s[s, :, :], dvn_s, t_f, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(C, BV):
-                    tn_s[i, j] = -t_f[i, j] * T.exp2(g_s[s, i] * LOG2E)
-                T.fence_proxy_async()
-                for i, j in T.Parallel(C, BV):
                     if i < L:
                         dv_out[0, t0 + i, bhv, v0 + j] = t_f[i, j]
+                for i, j in T.Parallel(C, BV):
+                    t_f[i, j] = -t_f[i, j] * T.exp2(g_s[s, i] * LOG2E)
+                T.copy(t_f, tn_s)
+                T.fence_proxy_async()
                 # dS = exp(GL) dS' + q^T (scale exp(G) dO) - k^T (exp(G) t)
                 for i, j in T.Parallel(K, BV):
                     ds_f[i, j] = ds_f[i, j] * T.exp2(glast * LOG2E)
@@ -135,19 +142,22 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
                 L = T.min(seq_len - c * C, C)
                 T.barrier_wait(data_ready[s], (cc // 2) % 2)
                 T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+                # gated, then masked without loads, then stored (see the state warpgroup); G
+                # falls along the chunk, so the clamp only touches masked entries
                 for i, j in T.Parallel(C, C):
-                    p_s[i, j] = T.if_then_else(
-                        (i >= j) and (i < L), p_f[i, j] * T.exp2((g_s[s, i] - g_s[s, j]) * LOG2E) * scale,
-                        T.float32(0),
-                    )
+                    p_f[i, j] = p_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E)
+                for i, j in T.Parallel(C, C):
+                    p_f[i, j] = T.if_then_else((i >= j) and (i < L), p_f[i, j] * scale, T.float32(0))
+                T.copy(p_f, p_s)
                 T.fence_proxy_async()
                 T.gemm(p_s, do_s[s, :, :], pdo_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, BV):
+                    doe_f[i, j] = do_s[s, i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale)
+                for i, j in T.Parallel(C, BV):
+                    doe_f[i, j] = T.if_then_else(i < L, doe_f[i, j], T.float32(0))
                 T.barrier_wait(state_done, (cc + 1) % 2)  # chunk cc-1's reads are done
                 T.copy(pdo_f, pdo_s)
-                for i, j in T.Parallel(C, BV):
-                    doe_s[i, j] = T.if_then_else(
-                        i < L, do_s[s, i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale), T.float32(0)
-                    )
+                T.copy(doe_f, doe_s)
                 T.fence_proxy_async()
                 T.barrier_arrive(aux_ready)
                 T.barrier_arrive(data_free[s])
@@ -169,4 +179,4 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
                         g_s[s, i] = gc[0, t0 + T.min(i, L - 1), bhv]
                     T.barrier_arrive(data_ready[s])
 
-    return bwd_dh_entry(walk, H, HV, K, V, dtype, NV, 3 * WG)
+    return bwd_dh_entry(walk, H, HV, K, V, dtype, NV, 3 * WG, limit_chunks)

@@ -108,8 +108,11 @@ def build_bwd_h_kernel(H: int, HV: int, K: int, V: int, dtype: str, use_initial_
         T.copy(s_f, h_s)
         T.copy(h_s, h_out[cidx, bhv, :, v0 : v0 + BV])
         T.gemm(k_s, h_s, x_f, clear_accum=True)
+        # loads and shared stores in separate loops, the row mask without loads (see the grad
+        # kernel's note: otherwise each element is serialised)
         for i, d in T.Parallel(C, BV):
-            vr_s[i, d] = v_s[i, d] - T.exp2(g_s[i] * LOG2E) * x_f[i, d]
+            x_f[i, d] = v_s[i, d] - T.exp2(g_s[i] * LOG2E) * x_f[i, d]
+        T.copy(x_f, vr_s)
         if full:
             T.copy(vr_s, vres_out[0, t0 : t0 + C, bhv, v0 : v0 + BV])
         else:
@@ -119,7 +122,10 @@ def build_bwd_h_kernel(H: int, HV: int, K: int, V: int, dtype: str, use_initial_
         T.gemm(a_s, vr_s, vn_f, clear_accum=True)
         glast = g_s[C - 1]
         for i, d in T.Parallel(C, BV):
-            vn_s[i, d] = T.if_then_else(i < L, vn_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E), T.float32(0))
+            vn_f[i, d] = vn_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E)
+        for i, d in T.Parallel(C, BV):
+            vn_f[i, d] = T.if_then_else(i < L, vn_f[i, d], T.float32(0))
+        T.copy(vn_f, vn_s)
         for i, d in T.Parallel(K, BV):
             s_f[i, d] = s_f[i, d] * T.exp2(glast * LOG2E)
         T.gemm(k_s, vn_s, s_f, transpose_A=True)
@@ -199,8 +205,10 @@ def bwd_h_entry(walk, H, HV, K, V, dtype, NV, threads):
 # Kernel 2: the reverse recurrence of the state gradient; writes dh, dvn, dv and dh0.
 # ----------------------------------------------------------------------------------------
 def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
-                        store_dh0: bool, block_v: int = 64, threads: int = 128):
-    """Backward walk over the chunks of each sequence (grid V/BV x N x HV)."""
+                        store_dh0: bool, block_v: int = 64, threads: int = 128, limit_chunks: bool = False):
+    """Backward walk over the chunks of each sequence (grid V/BV x N x HV). limit_chunks: the
+    kernel takes walk_chunks [N, HV] int32 and walks only the first walk_chunks[n, h] chunks of
+    sequence n (the split backward's warm-up pass, see `bwd_dh_entry`)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -273,13 +281,14 @@ def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: floa
         T.gemm(ke_s, tn_s, ds_f, transpose_A=True)
 
     @T.macro
-    def walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, bv, n, bhv):
+    def walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, walk_chunks, bv, n,
+             bhv):
         bh = bhv // grp
         v0 = bv * BV
         s0 = cu_seqlens[n]
         seq_len = cu_seqlens[n + 1] - s0
         c_first = chunk_offsets[n]
-        n_chunks = T.ceildiv(seq_len, C)
+        n_chunks = walked_chunks(T, T.ceildiv(seq_len, C), walk_chunks, n, bhv, limit_chunks)
 
         q_s = T.alloc_shared((C, K), dtype)
         k_s = T.alloc_shared((C, K), dtype)
@@ -321,13 +330,22 @@ def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: floa
         if store_dh0:
             T.copy(ds_f, dh0[n, bhv, :, v0 : v0 + BV])
 
-    return bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads)
+    return bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads, limit_chunks)
 
 
-def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads):
+def walked_chunks(T, n_chunks, walk_chunks, n, bhv, limit_chunks: bool):
+    """The dh walk's chunk count: all `n_chunks`, or at most walk_chunks[n, bhv]."""
+    return T.min(n_chunks, walk_chunks[n, bhv]) if limit_chunks else n_chunks
+
+
+def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads, limit_chunks=False):
     """PrimFunc `gdn_bwd_dh` (the dh walk's argument list, grid (NV, N, HV)) around `walk`, a
     T.macro (q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0,
-    bv, n, bhv). Shared by the serial and the warp-specialised (`tilelang_bwd_dh_ws.py`) kernels."""
+    walk_chunks, bv, n, bhv). Shared by the serial and the warp-specialised
+    (`tilelang_bwd_dh_ws.py`) kernels. With limit_chunks the PrimFunc takes one more argument,
+    walk_chunks [N, HV] int32 (the walk covers only the first walk_chunks[n, h] chunks of
+    sequence n, from a zero or given exit gradient there); else `walk` gets dh0 in its place
+    and must not read it."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -337,8 +355,32 @@ def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads):
     NT = T.dynamic("n_dht")
     N0 = T.dynamic("n_dh0")
 
+    if not limit_chunks:
+        @T.prim_func
+        def gdn_bwd_dh(
+            q: T.Tensor((1, Ttot, H, K), dtype),
+            k: T.Tensor((1, Ttot, H, K), dtype),
+            do: T.Tensor((1, Ttot, HV, V), dtype),
+            ag: T.Tensor((1, Ttot, HV, C), dtype),
+            gc: T.Tensor((1, Ttot, HV), acc),
+            cu_seqlens: T.Tensor((N1,), "int32"),
+            chunk_offsets: T.Tensor((N1,), "int32"),
+            dht: T.Tensor((NT, HV, K, V), acc),
+            dh_out: T.Tensor((NC, HV, K, V), dtype),
+            dvn_out: T.Tensor((1, Ttot, HV, V), dtype),
+            dv_out: T.Tensor((1, Ttot, HV, V), dtype),
+            dh0: T.Tensor((N0, HV, K, V), acc),
+        ):
+            with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+                walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, dh0, bv, n,
+                     bhv)
+
+        return gdn_bwd_dh
+
+    NW = T.dynamic("n_walk")
+
     @T.prim_func
-    def gdn_bwd_dh(
+    def gdn_bwd_dh_limited(
         q: T.Tensor((1, Ttot, H, K), dtype),
         k: T.Tensor((1, Ttot, H, K), dtype),
         do: T.Tensor((1, Ttot, HV, V), dtype),
@@ -351,11 +393,13 @@ def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads):
         dvn_out: T.Tensor((1, Ttot, HV, V), dtype),
         dv_out: T.Tensor((1, Ttot, HV, V), dtype),
         dh0: T.Tensor((N0, HV, K, V), acc),
+        walk_chunks: T.Tensor((NW, HV), "int32"),
     ):
         with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
-            walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, bv, n, bhv)
+            walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, walk_chunks, bv, n,
+                 bhv)
 
-    return gdn_bwd_dh
+    return gdn_bwd_dh_limited
 
 
 # ----------------------------------------------------------------------------------------
@@ -429,6 +473,8 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
 
             cv_f = T.alloc_fragment((C, V), acc)
             cc_f = T.alloc_fragment((C, C), acc)
+            kk_f = T.alloc_fragment((C, C), acc)  # k k^T and q k^T: per qk-head, shared by its v-heads
+            qk_f = T.alloc_fragment((C, C), acc)
             cc2_f = T.alloc_fragment((C, C), acc)
             x_f = T.alloc_fragment((C, C), acc)
             dq_f = T.alloc_fragment((C, K), acc)
@@ -440,27 +486,42 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
             hrow_f = T.alloc_fragment((RS,), acc)
             one_f = T.alloc_fragment((1,), acc)
             glast = T.alloc_var(acc)
+            # whole chunks: one warp issues all of a step's TMA loads at once, the block waits
+            # once (a copy-and-wait per tile left each latency exposed: one block fills the SM)
+            qk_ready = T.alloc_barrier(arrive_count=32)
+            tiles_ready = T.alloc_barrier(arrive_count=32)
+            tx = T.get_thread_binding()
 
             if L == C:
-                T.copy(q[0, t0 : t0 + C, bh, :], q_s)
-                T.copy(k[0, t0 : t0 + C, bh, :], k_s)
+                if tx < 32:
+                    T.tma_copy(q[0, t0 : t0 + C, bh, :], q_s, barrier=qk_ready)
+                    T.tma_copy(k[0, t0 : t0 + C, bh, :], k_s, barrier=qk_ready)
+                    T.barrier_arrive(qk_ready)
+                T.barrier_wait(qk_ready, 0)
             else:
                 for i, d in T.Parallel(C, K):
                     q_s[i, d] = T.if_then_else(i < L, q[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
                     k_s[i, d] = T.if_then_else(i < L, k[0, t0 + T.min(i, L - 1), bh, d], T.cast(0, dtype))
             T.clear(dq_f)
             T.clear(dk_f)
+            T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+            T.gemm(q_s, k_s, qk_f, transpose_B=True, clear_accum=True)
 
             for j in T.serial(grp):
                 bhv = bh * grp + j
-                T.copy(h[bc, bhv, :, :], h_s)
-                T.copy(dh[bc, bhv, :, :], dh_s)
                 if L == C:
-                    T.copy(do[0, t0 : t0 + C, bhv, :], do_s)
-                    T.copy(vres[0, t0 : t0 + C, bhv, :], vr_s)
-                    T.copy(dvn[0, t0 : t0 + C, bhv, :], dvn_s)
-                    T.copy(ag[0, t0 : t0 + C, bhv, :], a_s)
+                    T.sync_threads()  # every thread is done with the previous v-head's tiles
+                    if tx < 32:
+                        T.tma_copy(h[bc, bhv, :, :], h_s, barrier=tiles_ready)
+                        T.tma_copy(dh[bc, bhv, :, :], dh_s, barrier=tiles_ready)
+                        T.tma_copy(do[0, t0 : t0 + C, bhv, :], do_s, barrier=tiles_ready)
+                        T.tma_copy(vres[0, t0 : t0 + C, bhv, :], vr_s, barrier=tiles_ready)
+                        T.tma_copy(dvn[0, t0 : t0 + C, bhv, :], dvn_s, barrier=tiles_ready)
+                        T.tma_copy(ag[0, t0 : t0 + C, bhv, :], a_s, barrier=tiles_ready)
+                        T.barrier_arrive(tiles_ready)
                 else:
+                    T.copy(h[bc, bhv, :, :], h_s)
+                    T.copy(dh[bc, bhv, :, :], dh_s)
                     for i, d in T.Parallel(C, V):
                         do_s[i, d] = T.if_then_else(i < L, do[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
                         vr_s[i, d] = T.if_then_else(i < L, vres[0, t0 + T.min(i, L - 1), bhv, d], T.cast(0, dtype))
@@ -470,6 +531,8 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 for i in T.Parallel(C):
                     g_s[i] = gc[0, t0 + T.min(i, L - 1), bhv]
                     b_s[i] = T.if_then_else(i < L, beta[0, t0 + T.min(i, L - 1), bhv], T.float32(0))
+                if L == C:
+                    T.barrier_wait(tiles_ready, j % 2)
                 glast = g_s[C - 1]
 
                 # exp(GL) <S, dS'>
@@ -488,7 +551,7 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.gemm(dvn_s, vr_s, cc_f, transpose_B=True, clear_accum=True)
                 for i, jj in T.Parallel(C, C):
                     cc_f[i, jj] = T.if_then_else(i >= jj, cc_f[i, jj], T.float32(0))
-                    m1_s[i, jj] = cc_f[i, jj]
+                T.copy(cc_f, m1_s)
                 for i, jj in T.Parallel(C, C):
                     x_f[i, jj] = cc_f[i, jj] * a_s[i, jj]
                 T.reduce_sum(x_f, col_f, dim=0)
@@ -496,34 +559,34 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 # t = Ag^T dvn (= dv); keep -t
                 T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
                 for i, d in T.Parallel(C, V):
-                    tn_s[i, d] = -cv_f[i, d]
+                    cv_f[i, d] = -cv_f[i, d]
+                T.copy(cv_f, tn_s)
                 # BdA = -Ag^T (dAg Ag^T)
                 T.gemm(m1_s, a_s, cc_f, transpose_B=True, clear_accum=True)
                 T.copy(cc_f, m2_s)
                 T.gemm(a_s, m2_s, cc2_f, transpose_A=True, clear_accum=True)
-                T.gemm(k_s, k_s, cc_f, transpose_B=True, clear_accum=True)
+                # Elementwise steps: the gate in a loop of loads only, the mask in a loop without
+                # loads (a load under a condition becomes a branch per element), shared stores by
+                # themselves (shared loads after a shared store cannot be hoisted above it). G
+                # falls along the chunk, so the clamp changes only masked entries.
                 for i, jj in T.Parallel(C, C):
-                    x_f[i, jj] = T.if_then_else(
-                        i > jj, -cc2_f[i, jj] * cc_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E), T.float32(0)
-                    )
-                    m2_s[i, jj] = T.if_then_else(
-                        i > jj, -cc2_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E), T.float32(0)
-                    )
+                    cc2_f[i, jj] = -cc2_f[i, jj] * T.exp2(T.min(g_s[i] - g_s[jj], T.float32(0)) * LOG2E)
+                for i, jj in T.Parallel(C, C):
+                    cc2_f[i, jj] = T.if_then_else(i > jj, cc2_f[i, jj], T.float32(0))
+                    x_f[i, jj] = cc2_f[i, jj] * kk_f[i, jj]
+                T.copy(cc2_f, m2_s)
                 T.reduce_sum(x_f, row_f, dim=1)
                 T.reduce_sum(x_f, col_f, dim=0)
                 T.copy(row_f, r_2r)
                 T.copy(col_f, r_2c)
                 # Pm = scale tril_incl(dO v_new^T o Gam)
-                T.gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)
                 T.gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
                 for i, jj in T.Parallel(C, C):
-                    x_f[i, jj] = T.if_then_else(
-                        i >= jj, cc2_f[i, jj] * cc_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E) * scale,
-                        T.float32(0),
-                    )
-                    m1_s[i, jj] = T.if_then_else(
-                        i >= jj, cc2_f[i, jj] * T.exp2((g_s[i] - g_s[jj]) * LOG2E) * scale, T.float32(0)
-                    )
+                    cc2_f[i, jj] = cc2_f[i, jj] * T.exp2(T.min(g_s[i] - g_s[jj], T.float32(0)) * LOG2E) * scale
+                for i, jj in T.Parallel(C, C):
+                    cc2_f[i, jj] = T.if_then_else(i >= jj, cc2_f[i, jj], T.float32(0))
+                    x_f[i, jj] = cc2_f[i, jj] * qk_f[i, jj]
+                T.copy(cc2_f, m1_s)
                 T.reduce_sum(x_f, row_f, dim=1)
                 T.reduce_sum(x_f, col_f, dim=0)
                 T.copy(row_f, r_1r)
@@ -551,7 +614,9 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.copy(row_f, r_kw)
                 T.gemm(vn_s, dh_s, tmp_f, transpose_B=True, clear_accum=True)
                 for i, d in T.Parallel(C, K):
-                    tmp_f[i, d] = T.if_then_else(i < L, tmp_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E), T.float32(0))
+                    tmp_f[i, d] = tmp_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E)
+                for i, d in T.Parallel(C, K):
+                    tmp_f[i, d] = T.if_then_else(i < L, tmp_f[i, d], T.float32(0))
                     dk_f[i, d] = dk_f[i, d] + tmp_f[i, d]
                 for i, d in T.Parallel(C, K):
                     tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
@@ -772,6 +837,13 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     use_h0 = user_h0 or split is not None
     if h_kernel is None and split is not None:
         h_kernel = SPLIT_H_KERNEL
+    if block_v is None and split is not None and V % 64 == 0:
+        # (measurement pending) partitions multiply the grid: 64-wide tiles while it still
+        # covers ~90% of the SMs, as in the forward's default_fused_config
+        from .tilelang_fwd import _sm_count
+
+        if N * HV * (V // 64) >= 0.9 * _sm_count(dev):
+            block_v = 64
     specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht or split is not None, block_v, dh_kernel,
                              h_kernel)
     k_h, k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs)
@@ -792,8 +864,14 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
             from .tilelang_split import scan_partitions
 
             k_h(kf, vf, ag, gcum, cu, chunk_offsets, split["S_in"], h_st, vres)
+            # the gradient reaching each partition's start from its own outputs: only its first
+            # chunks matter until the gates have decayed by e^-16 (`dh_warmup_chunks`); what
+            # this pass writes besides dh0 is overwritten by the full pass below
+            dh_factory, dh_params = specs[1]
+            k_dh_warm = compile_kernel(dh_factory, **dh_params, limit_chunks=True)
             no_exit_grad = torch.zeros(N, *sdims, dtype=torch.float32, device=dev)
-            k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, no_exit_grad, dh_st, dvn, dv, dh0)
+            k_dh_warm(qf, kf, dof, ag, gcum, cu, chunk_offsets, no_exit_grad, dh_st, dvn, dv, dh0,
+                      split["dh_walk_chunks"])
             seq_exit_grad = dhtf if use_dht else torch.zeros(len(split["first_parts"]), *sdims,
                                                              dtype=torch.float32, device=dev)
             exit_grad = scan_partitions(split["M"].transpose(-1, -2), dh0, split["seq_parts"], seq_exit_grad,
@@ -837,6 +915,10 @@ def lowering_cases():
     for f, p in bwd_kernel_specs(4, 4, 128, 128, "bfloat16", 128**-0.5, False, False):
         entry = _ENTRY[f.__name__]
         cases.append((f"{entry}_bfloat16_k128_nostate_mha", f, p, entry))
+    # the split backward's first dh walk, limited to each partition's first chunks
+    for kind in WALK_KERNELS:
+        f, p = bwd_kernel_specs(2, 4, 128, 128, "bfloat16", 128**-0.5, True, True, 32, dh_kernel=kind)[1]
+        cases.append((f"gdn_bwd_dh_limited_{kind}_bfloat16_k128", f, dict(p, limit_chunks=True), "gdn_bwd_dh_limited"))
     # the warp-specialised h and dh walks (with and without initial state / exit gradients)
     for dim, bv, states in ((128, 32, True), (128, 64, False), (64, 64, True)):
         specs = bwd_kernel_specs(2, 4, dim, dim, "bfloat16", dim**-0.5, states, states, bv, dh_kernel="ws",

@@ -27,8 +27,8 @@ dict (all tensors contiguous, token-major like the inputs):
     saved["partitions"]: int, how many partitions the fused kernel walked (N when unsplit)
     saved["split"]    : only when the backward runs over the partitions too (`tilelang_split`,
                         `SplitPlan.split_backward`): part_cu, part_chunk_table, seq_parts,
-                        first_parts, S_in (state entering each partition, fp32 [NP, HV, K, V])
-                        and M (transition of each partition)
+                        first_parts, S_in (state entering each partition, fp32 [NP, HV, K, V]),
+                        M (transition of each partition) and dh_walk_chunks (`dh_warmup_chunks`)
 
 The chunk states h (state before each chunk) are not stored by the forward; the backward
 recomputes them (one pass of the fused kernel with `store_h`, or its own kernel).
@@ -110,10 +110,12 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
         if L == C:
             T.copy(k[bb, t0 : t0 + C, bh, :], k_s)
         else:
+            # Rows >= L are zero: clamped-row loads (L >= 1), then the zeros in a store-only loop
+            # (a load under a condition compiled to a branch per row, serialising the loads).
             for i, d in T.Parallel(C, K):
-                if i < L:
-                    k_s[i, d] = k[bb, t0 + i, bh, d]
-                else:
+                k_s[i, d] = k[bb, t0 + T.min(i, L - 1), bh, d]
+            for i, d in T.Parallel(C, K):
+                if i >= L:
                     k_s[i, d] = T.cast(0, dtype)
         for i in T.Parallel(C):
             if i < L:
@@ -128,9 +130,18 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
                 g_out[bb, t0 + i, bhv] = g_s[i]
 
         T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+        # Elementwise steps: compute in registers (loads only), mask in a loop without loads
+        # (a load under a condition compiles to a branch per element), then store by itself
+        # (shared loads placed after a shared store cannot be hoisted above it: the compiler
+        # cannot tell the shared buffers apart, which serialises load -> store per element).
         for i, j in T.Parallel(C, C):
-            n_s[i, j] = T.cast(T.if_then_else(i > j, kk_f[i, j] * b_s[i], T.float32(0)), inv_dtype)
-            d_s[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), T.float32(0)), inv_dtype)
+            kk_f[i, j] = kk_f[i, j] * b_s[i]
+        for i, j in T.Parallel(C, C):
+            kk_f[i, j] = T.if_then_else(i > j, kk_f[i, j], T.float32(0))
+        T.copy(kk_f, n_s)
+        for i, j in T.Parallel(C, C):
+            kk_f[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))
+        T.copy(kk_f, d_s)
         T.sync_threads()
 
         # Column-wise forward substitution inside each 16x16 diagonal block: thread (blk, c)
@@ -159,18 +170,23 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
         T.gemm(d_s, n_s, z_f, clear_accum=True)
         T.copy(z_f, n_s)  # n_s now holds E
         T.gemm(n_s, d_s, z_f, clear_accum=True)
+        # z = D - E (...) in registers, then stored by itself (rounded to inv_dtype by the copy)
         for i, j in T.Parallel(C, C):
-            z_s[i, j] = T.cast(T.cast(d_s[i, j], acc) - z_f[i, j], inv_dtype)
+            z_f[i, j] = T.cast(d_s[i, j], acc) - z_f[i, j]
+        T.copy(z_f, z_s)
         T.gemm(n_s, z_s, z_f, clear_accum=True)
         for i, j in T.Parallel(C, C):
-            z_s[i, j] = T.cast(T.cast(d_s[i, j], acc) - z_f[i, j], inv_dtype)
+            z_f[i, j] = T.cast(d_s[i, j], acc) - z_f[i, j]
+        T.copy(z_f, z_s)
         T.gemm(n_s, z_s, z_f, clear_accum=True)
+        # Gated for every entry, then masked in a loop without loads. No clamp of the exponent:
+        # entries above the diagonal may overflow to inf / NaN, but the select discards them
+        # (a clamp could change valid entries wherever the cumsum is not exactly monotone).
         for i, j in T.Parallel(C, C):
-            out_s[i, j] = T.if_then_else(
-                (i >= j) and (i < L) and (j < L),
-                (T.cast(d_s[i, j], acc) - z_f[i, j]) * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j],
-                T.float32(0),
-            )
+            z_f[i, j] = (T.cast(d_s[i, j], acc) - z_f[i, j]) * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j]
+        for i, j in T.Parallel(C, C):
+            z_f[i, j] = T.if_then_else((i >= j) and (i < L) and (j < L), z_f[i, j], T.float32(0))
+        T.copy(z_f, out_s)
         if L == C:
             T.copy(out_s, a_out[bb, t0 : t0 + C, bhv, :])
         else:
@@ -479,7 +495,7 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
 
     `fused_opts` go to `build_fused_fwd_kernel` (threads, num_stages, async_mma, o_store_smem);
     `warp_specialized=True` picks `tilelang_fwd_ws.build_fused_fwd_ws_kernel` instead (same
-    arguments; only block_v applies to it).
+    arguments; only block_v and num_stages apply to it).
     """
     if block_v is None:
         block_v = 64 if V % 64 == 0 else V
@@ -494,7 +510,9 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
     if opts.pop("warp_specialized", False):
         from .tilelang_fwd_ws import build_fused_fwd_ws_kernel
 
-        factory, opts = build_fused_fwd_ws_kernel, {}
+        # of the single-warpgroup options only the ring depth applies (default 2)
+        factory = build_fused_fwd_ws_kernel
+        opts = {"num_stages": opts["num_stages"]} if opts.get("num_stages", 2) != 2 else {}
     fused.update(opts)
     return [
         (build_prepare_kernel, dict(H=H, HV=HV, K=K, dtype=dtype, is_varlen=bool(is_varlen))),
@@ -593,6 +611,9 @@ def tilelang_chunk_gated_delta_rule_fwd(
         o, final, split = _split_forward(q, k, v, ag, g_cum, float(scale), initial_state, output_final_state,
                                          state_v_first, plan, cfg)
         if plan.split_backward:  # else the backward walks the whole sequences from the initial state
+            from .tilelang_split import dh_warmup_chunks
+
+            split["dh_walk_chunks"] = dh_warmup_chunks(g_cum.reshape(1, -1, HV), plan)
             saved["split"] = split
         return o, final, saved
 

@@ -37,33 +37,56 @@ def build_fused_fwd_ws_kernel(
     store_final_state: bool,
     state_v_first: bool = False,
     block_v: int = 64,
+    num_stages: int = 2,
+    trace: bool = False,
 ):
     """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N or B, HV),
-    384 threads)."""
+    384 threads). num_stages: depth of the loader's ring (chunks loaded ahead).
+
+    trace (a measurement build, not for use): thread 0 of the state and of the output
+    warpgroup read clock64() at 8 points per chunk and write the 7 differences (cycles, as
+    float) of chunk c to ht[n, h, :, v0:v0+BV] viewed flat, at [r * K * BV / 2 + 8 c + p]
+    (r = 0 state, 1 output; the first K * BV / 16 chunks); the final state is not stored."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
     dtype = tl_dtype(dtype)
     G = HV // H
     BV = block_v
-    assert V % BV == 0 and BV % 16 == 0 and K % 64 == 0
+    assert V % BV == 0 and BV % 16 == 0 and K % 64 == 0 and num_stages >= 2
+    NS = num_stages
     NV = V // BV
     scale = float(scale)
     WG = 128
     # registers per thread (setmaxnreg): the loader gives its share to the two consumers,
     # whose S block and accumulators (BV = 64: 128 floats) must not spill
     LOADER_REGS, CONSUMER_REGS = 40, 232
+    assert not (trace and store_final_state), "trace writes its timings where the final state goes"
+    TRACE_CHUNKS = K * BV // 16
+
+    @T.macro
+    def stamp(st, i):
+        if trace:
+            st[i] = T.call_extern("int64", "clock64")
+
+    @T.macro
+    def flush(st, ht, n, bhv, v0, c, tx, region):
+        if trace:
+            if tx % WG == 0 and c < TRACE_CHUNKS:
+                for p in T.serial(7):
+                    f = region * (K * BV // 2) + c * 8 + p
+                    ht[n, bhv, f // BV, v0 + f % BV] = T.cast(st[p + 1] - st[p], "float32")
 
     @T.macro
     def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len):
         bh = bhv // G
         v0 = bv * BV
-        # two-stage ring filled by the loader
-        q_s = T.alloc_shared((2, C, K), dtype)
-        k_s = T.alloc_shared((2, C, K), dtype)
-        v_s = T.alloc_shared((2, C, BV), dtype)
-        a_s = T.alloc_shared((2, C, C), dtype)
-        g_s = T.alloc_shared((2, C), acc)
+        # ring of NS stages filled by the loader
+        q_s = T.alloc_shared((NS, C, K), dtype)
+        k_s = T.alloc_shared((NS, C, K), dtype)
+        v_s = T.alloc_shared((NS, C, BV), dtype)
+        a_s = T.alloc_shared((NS, C, C), dtype)
+        g_s = T.alloc_shared((NS, C), acc)
         # state -> output (single buffers, released by out_done)
         h_s = T.alloc_shared((K, BV), dtype)
         vn_s = T.alloc_shared((C, BV), dtype)
@@ -71,22 +94,21 @@ def build_fused_fwd_ws_kernel(
         w_s = T.alloc_shared((C, BV), dtype)
         vd_s = T.alloc_shared((C, BV), dtype)
         p_s = T.alloc_shared((C, C), dtype)
-
         s_f = T.alloc_fragment((K, BV), acc)
         x_f = T.alloc_fragment((C, BV), acc)
         vn_f = T.alloc_fragment((C, BV), acc)
         p_f = T.alloc_fragment((C, C), acc)
         o_f = T.alloc_fragment((C, BV), acc)
         glast = T.alloc_var(acc)
-
-        data_ready = T.alloc_barrier(arrive_count=[32, 32])
-        data_free = T.alloc_barrier(arrive_count=[2 * WG, 2 * WG])
+        data_ready = T.alloc_barrier(arrive_count=[32] * NS)
+        data_free = T.alloc_barrier(arrive_count=[2 * WG] * NS)
         h_ready = T.alloc_barrier(arrive_count=WG)
         vn_ready = T.alloc_barrier(arrive_count=WG)
         out_done = T.alloc_barrier(arrive_count=WG)
 
         n_chunks = T.ceildiv(seq_len, C)
         tx = T.get_thread_binding()
+        st = T.alloc_local((8,), "int64") if trace else None
 
         if tx < WG:
             # ---- state warpgroup ----
@@ -100,29 +122,48 @@ def build_fused_fwd_ws_kernel(
             else:
                 T.clear(s_f)
             for c in T.serial(n_chunks):
-                s = c % 2
+                stamp(st, 0)
+                s = c % NS
                 L = T.min(seq_len - c * C, C)
-                T.barrier_wait(data_ready[s], (c // 2) % 2)
+                T.barrier_wait(data_ready[s], (c // NS) % 2)
                 T.barrier_wait(out_done, (c + 1) % 2)  # chunk c-1's reads of h_s / vn_s are done
+                stamp(st, 1)
                 T.copy(s_f, h_s)
                 T.fence_proxy_async()
                 T.barrier_arrive(h_ready)
+                stamp(st, 2)
                 T.gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
+                stamp(st, 3)
+                # Elementwise steps compute in registers, then store in a loop of their
+                # own: shared loads placed after a shared store cannot be hoisted above
+                # it (the compiler cannot tell the buffers apart), which serialised
+                # load -> exp -> store per element (trace: ~1.3k cycles per step).
                 for i, j in T.Parallel(C, BV):
-                    w_s[i, j] = v_s[s, i, j] - T.exp2(g_s[s, i] * LOG2E) * x_f[i, j]
+                    x_f[i, j] = v_s[s, i, j] - T.exp2(g_s[s, i] * LOG2E) * x_f[i, j]
+                T.copy(x_f, w_s)
                 T.fence_proxy_async()
+                stamp(st, 4)
                 T.gemm(a_s[s, :, :], w_s, vn_f, clear_accum=True)
+                stamp(st, 5)
                 glast = g_s[s, C - 1]  # padding rows repeat the last valid G
-                for i, j in T.Parallel(C, BV):
-                    vn_s[i, j] = vn_f[i, j]
-                    vd_s[i, j] = T.if_then_else(i < L, vn_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E),
-                                                T.float32(0))
+                T.copy(vn_f, vn_s)
                 T.fence_proxy_async()
                 T.barrier_arrive(vn_ready)
+                # the gate, then the row mask in a loop without loads: a load under a
+                # condition is compiled as a branch per element, which serialises
+                for i, j in T.Parallel(C, BV):
+                    vn_f[i, j] = vn_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E)
+                for i, j in T.Parallel(C, BV):
+                    vn_f[i, j] = T.if_then_else(i < L, vn_f[i, j], T.float32(0))
+                T.copy(vn_f, vd_s)
+                T.fence_proxy_async()
+                stamp(st, 6)
                 for i, j in T.Parallel(K, BV):
                     s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
                 T.gemm(k_s[s, :, :], vd_s, s_f, transpose_A=True)
+                stamp(st, 7)
                 T.barrier_arrive(data_free[s])
+                flush(st, ht, n, bhv, v0, c, tx, 0)
             if store_final_state:
                 if state_v_first:
                     for i, j in T.Parallel(K, BV):
@@ -133,36 +174,49 @@ def build_fused_fwd_ws_kernel(
             # ---- output warpgroup ----
             T.set_max_nreg(CONSUMER_REGS, 1)
             for c in T.serial(n_chunks):
-                s = c % 2
+                stamp(st, 0)
+                s = c % NS
                 t0 = t_start + c * C
                 L = T.min(seq_len - c * C, C)
-                T.barrier_wait(data_ready[s], (c // 2) % 2)
+                T.barrier_wait(data_ready[s], (c // NS) % 2)
+                stamp(st, 1)
                 T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+                # gated, then masked (no loads under the condition), in registers, then stored by
+                # itself (see the state warpgroup). G falls along the chunk, so the clamp changes
+                # only the masked entries (it keeps their exponentials finite).
                 for i, j in T.Parallel(C, C):
-                    p_s[i, j] = T.if_then_else(
-                        i >= j, p_f[i, j] * T.exp2((g_s[s, i] - g_s[s, j]) * LOG2E) * scale, T.float32(0)
-                    )
+                    p_f[i, j] = p_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E)
+                for i, j in T.Parallel(C, C):
+                    p_f[i, j] = T.if_then_else(i >= j, p_f[i, j] * scale, T.float32(0))
+                T.copy(p_f, p_s)
                 T.fence_proxy_async()
+                stamp(st, 2)
                 T.barrier_wait(h_ready, c % 2)
+                stamp(st, 3)
                 T.gemm(q_s[s, :, :], h_s, o_f, clear_accum=True)
                 for i, j in T.Parallel(C, BV):
                     o_f[i, j] = o_f[i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale)
+                stamp(st, 4)
                 T.barrier_wait(vn_ready, c % 2)
+                stamp(st, 5)
                 T.gemm(p_s, vn_s, o_f)
                 T.barrier_arrive(out_done)
                 T.barrier_arrive(data_free[s])
+                stamp(st, 6)
                 for i, j in T.Parallel(C, BV):
                     if i < L:
                         o[bb, t0 + i, bhv, v0 + j] = o_f[i, j]
+                stamp(st, 7)
+                flush(st, ht, n, bhv, v0, c, tx, 1)
         else:
             # ---- loader: one warp issues the loads, the other three wait at the exit ----
             T.set_max_nreg(LOADER_REGS, 0)
             if tx < 2 * WG + 32:
                 for c in T.serial(n_chunks):
-                    s = c % 2
+                    s = c % NS
                     t0 = t_start + c * C
                     L = T.min(seq_len - c * C, C)
-                    T.barrier_wait(data_free[s], (c // 2 + 1) % 2)
+                    T.barrier_wait(data_free[s], (c // NS + 1) % 2)
                     # whole 64-row tiles even for a partial last chunk (rows >= L are masked out
                     # downstream, as in the single-warpgroup kernel; TMA zero-fills past the tensor)
                     T.tma_copy(q[bb, t0 : t0 + C, bh, :], q_s[s, :, :], barrier=data_ready[s])

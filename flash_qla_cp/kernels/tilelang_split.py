@@ -49,6 +49,7 @@ __all__ = [
     "plan_split",
     "auto_partitions",
     "warmup_starts",
+    "dh_warmup_chunks",
     "WARMUP_LOG_DECAY",
     "build_state_summary_kernel",
     "build_partition_scan_kernel",
@@ -151,9 +152,9 @@ def host_chunk_table(offsets: list, device) -> torch.Tensor:
 def partition_chunk_ends(part_cu: list) -> dict:
     """Chunk bookkeeping of the partitions, chunks numbered as in `host_chunk_table`: per chunk
     the token row ending it ('chunk_last_row') and the number of its partition's last chunk
-    ('chunk_part_last'); per partition its first and last chunk ('part_first', 'part_last';
+    ('chunk_part_last') and first chunk ('chunk_part_first'); per partition its first and last chunk ('part_first', 'part_last';
     0 for an empty partition) and whether it has any ('part_nonempty'). CPU tensors."""
-    rows, chunk_part_last, first, last, nonempty = [], [], [], [], []
+    rows, chunk_part_first, chunk_part_last, first, last, nonempty = [], [], [], [], [], []
     for a, b in zip(part_cu, part_cu[1:]):
         n = -(-(b - a) // CHUNK)
         first.append(len(rows) if n else 0)
@@ -161,10 +162,31 @@ def partition_chunk_ends(part_cu: list) -> dict:
         nonempty.append(n > 0)
         for c in range(n):
             rows.append(a + min((c + 1) * CHUNK, b - a) - 1)
+            chunk_part_first.append(len(rows) - 1 - c)
             chunk_part_last.append(len(rows) - 1 - c + n - 1)
     as_t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    return {"chunk_last_row": as_t(rows), "chunk_part_last": as_t(chunk_part_last), "part_first": as_t(first),
-            "part_last": as_t(last), "part_nonempty": torch.tensor(nonempty, dtype=torch.bool)}
+    return {"chunk_last_row": as_t(rows), "chunk_part_first": as_t(chunk_part_first),
+            "chunk_part_last": as_t(chunk_part_last), "part_first": as_t(first), "part_last": as_t(last),
+            "part_nonempty": torch.tensor(nonempty, dtype=torch.bool)}
+
+
+def _chunk_decays(g_cum: torch.Tensor, idx: dict):
+    """[HV, NC] float64: each partition chunk's decay (its value of g_cum at its last row,
+    clamped to <= 0) and the running sum over the chunks up to and including it. Scans along
+    the last dimension only (torch's scan over chunks as dim 0 took 0.09 ms on the H200)."""
+    HV, NC = g_cum.shape[-1], idx["chunk_last_row"].numel()
+    decay = torch.empty(HV, NC, dtype=torch.float64, device=g_cum.device)
+    decay.copy_(g_cum[0].index_select(0, idx["chunk_last_row"]).t()).clamp_(max=0.0)
+    return decay, decay.cumsum(1)
+
+
+def _count_per_partition(qualifies: torch.Tensor, idx: dict) -> torch.Tensor:
+    """[HV, NP]: how many chunks of each partition have `qualifies` ([HV, NC] int32) set; 0 for
+    an empty partition. A second scan instead of atomics."""
+    upto = qualifies.cumsum(1)
+    first = idx["part_first"]
+    count = upto.index_select(1, idx["part_last"]) - upto.index_select(1, first) + qualifies.index_select(1, first)
+    return torch.where(idx["part_nonempty"], count, 0)
 
 
 def warmup_starts(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = WARMUP_LOG_DECAY) -> torch.Tensor:
@@ -176,25 +198,37 @@ def warmup_starts(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = WAR
     -1 where the decay never gets there (walk every chunk, keep M). `g_cum` is the prepare
     kernel's chunk-local cumulative gate [1, T, HV] (its value at a chunk's last row is the
     chunk's decay). Since g <= 0 the sums shrink towards the end, so the qualifying chunks are
-    0 .. start and start = their count - 1. Scans along the last dimension only (torch's scan
-    over chunks as dim 0 took 0.09 ms on the H200), no atomics, no host sync.
+    0 .. start and start = their count - 1. No atomics, no host sync.
     """
-    dev = g_cum.device
-    idx = plan.device_tensors(dev)
-    HV = g_cum.shape[-1]
-    NC = idx["chunk_last_row"].numel()
-    if NC == 0:
-        return torch.full((plan.num_parts, HV), -1, dtype=torch.int32, device=dev)
-    decay = torch.empty(HV, NC, dtype=torch.float64, device=dev)
-    decay.copy_(g_cum[0].index_select(0, idx["chunk_last_row"]).t()).clamp_(max=0.0)
-    before = decay.cumsum(1)  # sum over the chunks up to and including c
+    idx = plan.device_tensors(g_cum.device)
+    if idx["chunk_last_row"].numel() == 0:
+        return torch.full((plan.num_parts, g_cum.shape[-1]), -1, dtype=torch.int32, device=g_cum.device)
+    decay, before = _chunk_decays(g_cum, idx)
     to_end = before.index_select(1, idx["chunk_part_last"]) - before + decay
-    qualifies = (to_end < threshold).to(torch.int32)
-    upto = qualifies.cumsum(1)  # qualifying chunks up to and including c
-    first = idx["part_first"]
-    count = upto.index_select(1, idx["part_last"]) - upto.index_select(1, first) + qualifies.index_select(1, first)
-    count = torch.where(idx["part_nonempty"], count, 0)
+    count = _count_per_partition((to_end < threshold).to(torch.int32), idx)
     return (count - 1).t().to(torch.int32).contiguous()
+
+
+def dh_warmup_chunks(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = WARMUP_LOG_DECAY) -> torch.Tensor:
+    """[NP, HV] int32: per partition and v-head, how many of its first chunks the backward's
+    first dh walk must cover (the mirror of `warmup_starts`).
+
+    That walk computes the gradient reaching the partition's start from its own outputs, with a
+    zero gradient at its end. A gradient entering at chunk W comes back to the start damped by
+    at least exp(sum of the decays of chunks 0 .. W - 1), so the walk may stop at the first W
+    where that sum is below `threshold` (W = all chunks where it never gets there, 0 for an
+    empty partition). With g <= 0 the qualifying chunks are a suffix, so W = chunks - count + 1.
+    """
+    idx = plan.device_tensors(g_cum.device)
+    if idx["chunk_last_row"].numel() == 0:
+        return torch.zeros(plan.num_parts, g_cum.shape[-1], dtype=torch.int32, device=g_cum.device)
+    decay, before = _chunk_decays(g_cum, idx)
+    start = idx["chunk_part_first"]
+    from_start = before - (before.index_select(1, start) - decay.index_select(1, start))
+    count = _count_per_partition((from_start < threshold).to(torch.int32), idx)
+    chunks = (idx["part_last"] - idx["part_first"] + 1) * idx["part_nonempty"]
+    walk = torch.where(count > 0, chunks - count + 1, chunks)
+    return torch.where(idx["part_nonempty"], walk, 0).t().to(torch.int32).contiguous()
 
 
 def plan_split(cu_host, HV: int, V: int, parts="auto", sms: int = 132) -> SplitPlan:
@@ -313,13 +347,21 @@ def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, bloc
                     gl_s[i] = g_s[i]
                 T.copy(s_f, h_s)
                 T.gemm(k_s, h_s, x_f, clear_accum=True)
+                # Elementwise steps: loads in loops of their own, masks without loads (a load
+                # under a condition becomes a branch per element), shared stores by themselves
+                # (shared loads after a shared store cannot be hoisted above it). The v tile is
+                # always loaded (finite), so M blocks zero it by a factor.
                 for i, j in T.Parallel(C, BC):
-                    w_s[i, j] = (T.if_then_else(c0 < V, T.cast(v_s[i, j], acc), T.float32(0))
+                    x_f[i, j] = (T.cast(v_s[i, j], acc) * T.if_then_else(c0 < V, T.float32(1), T.float32(0))
                                  - T.exp2(gl_s[i] * LOG2E) * x_f[i, j])
+                T.copy(x_f, w_s)
                 T.gemm(a_s, w_s, vn_f, clear_accum=True)
                 glast = gl_s[C - 1]
                 for i, j in T.Parallel(C, BC):
-                    vd_s[i, j] = T.if_then_else(i < L, vn_f[i, j] * T.exp2((glast - gl_s[i]) * LOG2E), T.float32(0))
+                    vn_f[i, j] = vn_f[i, j] * T.exp2((glast - gl_s[i]) * LOG2E)
+                for i, j in T.Parallel(C, BC):
+                    vn_f[i, j] = T.if_then_else(i < L, vn_f[i, j], T.float32(0))
+                T.copy(vn_f, vd_s)
                 for i, j in T.Parallel(K, BC):
                     s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
                 T.gemm(k_s, vd_s, s_f, transpose_A=True)

@@ -157,6 +157,9 @@ CASES = [
     ("ws_bv128_varlen_odd", dict(B=1, T=1000, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
                                  cu=[0, 1, 65, 200, 777, 1000],
                                  cfg={"warp_specialized": True, "block_v": 128})),
+    ("ws_bv64_stages3_varlen_odd", dict(B=1, T=1000, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                        cu=[0, 1, 65, 200, 777, 1000],
+                                        cfg={"warp_specialized": True, "block_v": 64, "num_stages": 3})),
 ]
 
 

@@ -5,7 +5,7 @@
 #   run(command="bash tests/gpu/device_session.sh check_fwd check_cp bench", carry=[".device"])
 #   then, here: cp <files_at>/tlcache.tar.xz .device/   (next call compiles nothing it has seen)
 #
-# Phases: check_fwd check_bwd check_split check_cp bench tune_fwd tune_split profile long_seq. SHAPES / LIBS narrow the
+# Phases: check_fwd check_bwd check_split check_cp bench tune_fwd trace_fwd tune_split profile long_seq. SHAPES / LIBS narrow the
 # benchmark (SHAPES / PARTS the split sweep);
 # CP_CHECKS the CP checks (intra, inter); CHECK_FWD_ARGS check_fwd.py's options (default "--quick");
 # VARIANTS tune_fwd.py's kernel variants; CHECK_BWD_ARGS check_bwd.py's options (default
@@ -25,6 +25,8 @@ for phase in "$@"; do
   case $phase in
     check_fwd) timeout "${CHECK_TIMEOUT:-300}" python tests/gpu/check_fwd.py ${CHECK_FWD_ARGS:---quick} --out "$OUT/check_fwd" 2>&1 \
                  | grep -v TileLang | tail -20 ;;
+    trace_fwd) timeout "${BENCH_TIMEOUT:-300}" python benchmarks/trace_fwd.py --out "$OUT/trace_fwd" ${SHAPE:+--shape "$SHAPE"} \
+                 ${VARIANTS:+--variants "$VARIANTS"} 2>&1 | grep '^{' | cut -c1-700 ;;
     tune_fwd) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/tune_fwd.py --out "$OUT/tune_fwd" ${SHAPES:+--shapes "$SHAPES"} \
                 ${VARIANTS:+--variants "$VARIANTS"} 2>&1 | grep -v TileLang | tail -12 | cut -c1-600 ;;
     check_bwd) timeout "${CHECK_TIMEOUT:-400}" python tests/gpu/check_bwd.py ${CHECK_BWD_ARGS:---quick --no-bench} \
