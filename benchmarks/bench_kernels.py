@@ -21,6 +21,9 @@ reference computed in float32 on the same GPU (relative L2 error, columns o_err 
 Timing: triton.testing.do_bench (warm-up, then the median of repeated launches, L2 flushed
 between runs by do_bench). No CUDA graphs: the varlen paths of all three libraries read
 sequence metadata on the host, so eager timing is the common ground; it is the same for all.
+Forward+backward sets the inputs' .grad to None before each backward, so the gradients are
+written rather than added into (the results up to bench_kernels_h200_2026-12-03_elementwise
+include that add, about 0.38 ms at TP1 1x32k, for every library alike).
 """
 
 import os
@@ -147,6 +150,13 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
     def grads_inputs():
         return [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta)]
 
+    def backward(o, ins):
+        # gradients written, not accumulated (a training step after zero_grad(set_to_none=True)):
+        # otherwise every library's time includes torch adding into .grad (~0.38 ms at 1x32k)
+        for t in ins:
+            t.grad = None
+        o.backward(do)
+
     if lib in ("ours", "ours_nosplit"):
         from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
         from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
@@ -166,7 +176,7 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
         def fwdbwd():
             o, _ = ours_op(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32, backend="tilelang",
                            intra_cp=intra)
-            o.backward(do)
+            backward(o, ins)
 
         return fwd, fwdbwd
 
@@ -181,7 +191,7 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
 
         def fwdbwd():
             o, _ = fq(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32)
-            o.backward(do)
+            backward(o, ins)
 
         return fwd, fwdbwd
 
@@ -199,7 +209,7 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
 
         def fwdbwd():
             o, _ = fl(*ins, scale=scale, output_final_state=False, cu_seqlens=cu64, cu_seqlens_cpu=cu_cpu)
-            o.backward(do)
+            backward(o, ins)
 
         return fwd, fwdbwd
     raise ValueError(lib)
@@ -268,7 +278,8 @@ def main():
         "gpu": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "versions": lib_versions(),
-        "timing": "triton.testing.do_bench median, eager (no CUDA graphs)",
+        "timing": ("triton.testing.do_bench median, eager (no CUDA graphs); fwd+bwd with .grad set to None "
+                   "before each backward"),
         "flops": flop_count.__doc__.strip(),
         "bytes": byte_count.__doc__.strip(),
     }

@@ -62,6 +62,8 @@ def main():
 
             def fwdbwd():
                 o, _ = chunk_gated_delta_rule(*ins, cu_seqlens=cu, backend="tilelang", intra_cp=intra)
+                for t in ins:  # written, not accumulated (as bench_kernels.py)
+                    t.grad = None
                 o.backward(do)
 
             for name, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):

@@ -5,6 +5,10 @@ time (the public op, TileLang backward), do_bench medians. P = 1 is the unsplit 
 is what `kernels/tilelang_split.auto_partitions` picks. Writes tune_split.json under --out.
 
     python benchmarks/tune_split.py --shapes tp8_1x32k --parts 1,4,16,auto
+
+--fwd-block-v 16,32,64 adds forward times with the warp-specialised fused kernel at each of
+those V tiles (fwd_ms_bv<N>) next to the default tile's, to tune `default_fused_config` and
+the split's grid rule together.
 """
 
 import argparse
@@ -30,6 +34,7 @@ def main():
     ap.add_argument("--shapes", default="tp8_1x32k,tp8_1x128k,tp1_1x8k,tp1_1x32k")
     ap.add_argument("--parts", default="1,2,4,8,16,32,auto")
     ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--fwd-block-v", default="", help="comma list of ws block_v tiles to time the forward at")
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -57,9 +62,19 @@ def main():
                 row["parts_used"] = saved["partitions"]
                 row["backward_split"] = "split" in saved
                 row["fwd_ms"] = triton.testing.do_bench(fwd, rep=args.rep, return_mode="median")
+                for bv in filter(None, args.fwd_block_v.split(",")):
+                    cfg = {"warp_specialized": True, "block_v": int(bv)}
+
+                    def fwd_tile():
+                        return tilelang_chunk_gated_delta_rule_fwd(q, k, v, g, beta, None, None, True, cu,
+                                                                   partitions=parts, fused_config=cfg)
+
+                    row[f"fwd_ms_bv{bv}"] = triton.testing.do_bench(fwd_tile, rep=args.rep, return_mode="median")
                 if not args.no_bwd:
                     def fwdbwd():
                         o, _ = chunk_gated_delta_rule(*ins, cu_seqlens=cu, backend="tilelang", intra_cp=parts)
+                        for t in ins:  # written, not accumulated (as bench_kernels.py)
+                            t.grad = None
                         o.backward(do)
 
                     row["fwdbwd_ms"] = triton.testing.do_bench(fwdbwd, rep=args.rep, return_mode="median")
