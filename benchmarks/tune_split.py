@@ -8,7 +8,8 @@ is what `kernels/tilelang_split.auto_partitions` picks. Writes tune_split.json u
 
 --fwd-block-v 16,32,64 adds forward times with the warp-specialised fused kernel at each of
 those V tiles (fwd_ms_bv<N>) next to the default tile's, to tune `default_fused_config` and
-the split's grid rule together.
+the split's grid rule together. --split-h-kernels serial,ws times forward+backward once per h
+walk the split backward may take (fwdbwd_ms_h<kind>; `SPLIT_H_KERNEL` in tilelang_bwd_impl).
 """
 
 import argparse
@@ -25,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernels import shape_inputs  # noqa: E402
 
 from flash_qla_cp import chunk_gated_delta_rule  # noqa: E402
+from flash_qla_cp.kernels import tilelang_bwd_impl as bwd_impl  # noqa: E402
 from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd  # noqa: E402
 from flash_qla_cp.ops import tilelang_backward_enabled  # noqa: E402
 
@@ -35,6 +37,7 @@ def main():
     ap.add_argument("--parts", default="1,2,4,8,16,32,auto")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--fwd-block-v", default="", help="comma list of ws block_v tiles to time the forward at")
+    ap.add_argument("--split-h-kernels", default="", help="comma list of h walks for the split backward")
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -78,6 +81,14 @@ def main():
                         o.backward(do)
 
                     row["fwdbwd_ms"] = triton.testing.do_bench(fwdbwd, rep=args.rep, return_mode="median")
+                    default_h = bwd_impl.SPLIT_H_KERNEL
+                    for kind in filter(None, args.split_h_kernels.split(",")):
+                        bwd_impl.SPLIT_H_KERNEL = kind
+                        try:
+                            row[f"fwdbwd_ms_h{kind}"] = triton.testing.do_bench(fwdbwd, rep=args.rep,
+                                                                                 return_mode="median")
+                        finally:
+                            bwd_impl.SPLIT_H_KERNEL = default_h
             except Exception as exc:  # noqa: BLE001
                 row["error"] = repr(exc)[:400]
             rows.append(row)
