@@ -97,32 +97,20 @@ def _warp_specialized_cases() -> list[KernelCase]:
     from .tilelang_fwd_ws import build_fused_fwd_ws_kernel
 
     cases = []
-    for bv, dim, varlen, v_first in ((64, 128, False, False), (32, 128, True, True), (16, 64, True, False)):
+    # the default tiles, then the option: a three-stage ring
+    for bv, dim, varlen, v_first, opts in ((64, 128, False, False, {}), (32, 128, True, True, {}),
+                                           (16, 64, True, False, {}), (64, 128, True, False, {"num_stages": 3})):
+        tag = "".join(f"_{k}{int(v)}" for k, v in opts.items())
         cases.append(
             KernelCase(
-                name=f"fwd_fused_ws_k{dim}_bv{bv}_{'varlen' if varlen else 'dense'}",
+                name=f"fwd_fused_ws_k{dim}_bv{bv}_{'varlen' if varlen else 'dense'}{tag}",
                 factory=build_fused_fwd_ws_kernel,
                 params=dict(
                     H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, is_varlen=varlen,
-                    use_initial_state=True, store_final_state=True, state_v_first=v_first, block_v=bv,
+                    use_initial_state=True, store_final_state=True, state_v_first=v_first, block_v=bv, **opts,
                 ),
                 entry="gdn_fwd_fused_varlen" if varlen else "gdn_fwd_fused",
                 # TMA loads into mbarriers, register hand-off between warpgroups
-                expect=("wgmma", "tma_load", "warpgroup_reg_alloc"),
-            )
-        )
-    # the option: a three-stage ring
-    for bv, opts in ((64, {"num_stages": 3}),):
-        tag = "_".join(f"{k}{int(v)}" for k, v in opts.items())
-        cases.append(
-            KernelCase(
-                name=f"fwd_fused_ws_k128_bv{bv}_varlen_{tag}",
-                factory=build_fused_fwd_ws_kernel,
-                params=dict(
-                    H=2, HV=4, K=128, V=128, dtype="bfloat16", scale=128**-0.5, is_varlen=True,
-                    use_initial_state=True, store_final_state=True, block_v=bv, **opts,
-                ),
-                entry="gdn_fwd_fused_varlen",
                 expect=("wgmma", "tma_load", "warpgroup_reg_alloc"),
             )
         )
