@@ -103,9 +103,7 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
                 T.gemm(k_s[s, :, :], dh_s, x_f, clear_accum=True)
                 glast = g_s[s, C - 1]  # padding rows repeat the last valid G
                 T.barrier_wait(aux_ready, cc % 2)
-                # Elementwise steps: loads in one loop, the row mask in a loop without loads
-                # (a load under a condition becomes a branch per element), the shared store by
-                # itself (shared loads after a shared store cannot be hoisted above it).
+                # gate, row mask, store: three loops (the elementwise rule, tilelang_common)
                 for i, j in T.Parallel(C, BV):
                     x_f[i, j] = x_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E) + pdo_s[i, j]
                 for i, j in T.Parallel(C, BV):
@@ -142,8 +140,8 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
                 L = T.min(seq_len - c * C, C)
                 T.barrier_wait(data_ready[s], (cc // 2) % 2)
                 T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
-                # gated, then masked without loads, then stored (see the state warpgroup); G
-                # falls along the chunk, so the clamp only touches masked entries
+                # gated, masked, stored (the elementwise rule, tilelang_common); G falls along
+                # the chunk, so the clamp only touches masked entries
                 for i, j in T.Parallel(C, C):
                     p_f[i, j] = p_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E)
                 for i, j in T.Parallel(C, C):

@@ -83,8 +83,7 @@ def build_bwd_h_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, use_initi
                         vres_out[0, t0 + i, bhv, v0 + j] = x_f[i, j]
                 T.gemm(a_s[s, :, :], vr_s, vn_f, clear_accum=True)
                 glast = g_s[s, C - 1]  # padding rows repeat the last valid G
-                # the gate, then the row mask in a loop without loads (a load under a condition
-                # becomes a branch per element), then the store by itself
+                # gate, row mask, store: three loops (the elementwise rule, tilelang_common)
                 for i, j in T.Parallel(C, BV):
                     vn_f[i, j] = vn_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E)
                 for i, j in T.Parallel(C, BV):

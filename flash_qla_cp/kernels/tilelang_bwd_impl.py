@@ -108,8 +108,7 @@ def build_bwd_h_kernel(H: int, HV: int, K: int, V: int, dtype: str, use_initial_
         T.copy(s_f, h_s)
         T.copy(h_s, h_out[cidx, bhv, :, v0 : v0 + BV])
         T.gemm(k_s, h_s, x_f, clear_accum=True)
-        # loads and shared stores in separate loops, the row mask without loads (see the grad
-        # kernel's note: otherwise each element is serialised)
+        # loads, masks and shared stores in loops of their own (the elementwise rule, tilelang_common)
         for i, d in T.Parallel(C, BV):
             x_f[i, d] = v_s[i, d] - T.exp2(g_s[i] * LOG2E) * x_f[i, d]
         T.copy(x_f, vr_s)
@@ -565,10 +564,8 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.gemm(m1_s, a_s, cc_f, transpose_B=True, clear_accum=True)
                 T.copy(cc_f, m2_s)
                 T.gemm(a_s, m2_s, cc2_f, transpose_A=True, clear_accum=True)
-                # Elementwise steps: the gate in a loop of loads only, the mask in a loop without
-                # loads (a load under a condition becomes a branch per element), shared stores by
-                # themselves (shared loads after a shared store cannot be hoisted above it). G
-                # falls along the chunk, so the clamp changes only masked entries.
+                # gate, mask, store in loops of their own (the elementwise rule, tilelang_common).
+                # G falls along the chunk, so the clamp changes only masked entries.
                 for i, jj in T.Parallel(C, C):
                     cc2_f[i, jj] = -cc2_f[i, jj] * T.exp2(T.min(g_s[i] - g_s[jj], T.float32(0)) * LOG2E)
                 for i, jj in T.Parallel(C, C):

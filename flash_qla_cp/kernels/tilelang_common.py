@@ -2,6 +2,14 @@
 
 Nothing here touches a GPU or compiles anything at import time; TileLang itself is imported
 only when a kernel is first built, so the package imports on machines without it.
+
+The elementwise rule every kernel follows (the comments there point here): a `T.Parallel` loop
+either loads (shared memory into a register fragment) or stores (`T.copy(fragment, shared)`,
+which lowers to stmatrix), and no shared load sits under `T.if_then_else` (masks go in a loop
+of their own without loads). Otherwise nvcc serialises load -> exp -> store per element: all
+shared buffers are offsets into one array, so it cannot move a load above an earlier store, and
+a condition around a load becomes a branch per element (H200: ~1.3k cycles per such step of a
+64 x 64 tile; benchmarks/NOTES.md).
 """
 
 from __future__ import annotations

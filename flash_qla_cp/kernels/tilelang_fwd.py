@@ -111,7 +111,7 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
             T.copy(k[bb, t0 : t0 + C, bh, :], k_s)
         else:
             # Rows >= L are zero: clamped-row loads (L >= 1), then the zeros in a store-only loop
-            # (a load under a condition compiled to a branch per row, serialising the loads).
+            # (the elementwise rule, tilelang_common: no load under a condition).
             for i, d in T.Parallel(C, K):
                 k_s[i, d] = k[bb, t0 + T.min(i, L - 1), bh, d]
             for i, d in T.Parallel(C, K):
@@ -130,10 +130,8 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
                 g_out[bb, t0 + i, bhv] = g_s[i]
 
         T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-        # Elementwise steps: compute in registers (loads only), mask in a loop without loads
-        # (a load under a condition compiles to a branch per element), then store by itself
-        # (shared loads placed after a shared store cannot be hoisted above it: the compiler
-        # cannot tell the shared buffers apart, which serialises load -> store per element).
+        # compute in registers, mask, then store: loops of their own (the elementwise rule,
+        # tilelang_common)
         for i, j in T.Parallel(C, C):
             kk_f[i, j] = kk_f[i, j] * b_s[i]
         for i, j in T.Parallel(C, C):

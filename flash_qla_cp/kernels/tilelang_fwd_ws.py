@@ -134,10 +134,7 @@ def build_fused_fwd_ws_kernel(
                 stamp(st, 2)
                 T.gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
                 stamp(st, 3)
-                # Elementwise steps compute in registers, then store in a loop of their
-                # own: shared loads placed after a shared store cannot be hoisted above
-                # it (the compiler cannot tell the buffers apart), which serialised
-                # load -> exp -> store per element (trace: ~1.3k cycles per step).
+                # compute in registers, then store (the elementwise rule, tilelang_common)
                 for i, j in T.Parallel(C, BV):
                     x_f[i, j] = v_s[s, i, j] - T.exp2(g_s[s, i] * LOG2E) * x_f[i, j]
                 T.copy(x_f, w_s)
@@ -149,8 +146,7 @@ def build_fused_fwd_ws_kernel(
                 T.copy(vn_f, vn_s)
                 T.fence_proxy_async()
                 T.barrier_arrive(vn_ready)
-                # the gate, then the row mask in a loop without loads: a load under a
-                # condition is compiled as a branch per element, which serialises
+                # gate, row mask, store: three loops (the elementwise rule, tilelang_common)
                 for i, j in T.Parallel(C, BV):
                     vn_f[i, j] = vn_f[i, j] * T.exp2((glast - g_s[s, i]) * LOG2E)
                 for i, j in T.Parallel(C, BV):
@@ -181,9 +177,9 @@ def build_fused_fwd_ws_kernel(
                 T.barrier_wait(data_ready[s], (c // NS) % 2)
                 stamp(st, 1)
                 T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
-                # gated, then masked (no loads under the condition), in registers, then stored by
-                # itself (see the state warpgroup). G falls along the chunk, so the clamp changes
-                # only the masked entries (it keeps their exponentials finite).
+                # gated, masked, stored (the elementwise rule, tilelang_common). G falls along
+                # the chunk, so the clamp changes only the masked entries (it keeps their
+                # exponentials finite).
                 for i, j in T.Parallel(C, C):
                     p_f[i, j] = p_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E)
                 for i, j in T.Parallel(C, C):

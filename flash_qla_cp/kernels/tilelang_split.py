@@ -152,8 +152,9 @@ def host_chunk_table(offsets: list, device) -> torch.Tensor:
 def partition_chunk_ends(part_cu: list) -> dict:
     """Chunk bookkeeping of the partitions, chunks numbered as in `host_chunk_table`: per chunk
     the token row ending it ('chunk_last_row') and the number of its partition's last chunk
-    ('chunk_part_last') and first chunk ('chunk_part_first'); per partition its first and last chunk ('part_first', 'part_last';
-    0 for an empty partition) and whether it has any ('part_nonempty'). CPU tensors."""
+    ('chunk_part_last') and first chunk ('chunk_part_first'); per partition its first and last
+    chunk ('part_first', 'part_last'; 0 for an empty partition) and whether it has any
+    ('part_nonempty'). CPU tensors."""
     rows, chunk_part_first, chunk_part_last, first, last, nonempty = [], [], [], [], [], []
     for a, b in zip(part_cu, part_cu[1:]):
         n = -(-(b - a) // CHUNK)
@@ -347,10 +348,9 @@ def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, bloc
                     gl_s[i] = g_s[i]
                 T.copy(s_f, h_s)
                 T.gemm(k_s, h_s, x_f, clear_accum=True)
-                # Elementwise steps: loads in loops of their own, masks without loads (a load
-                # under a condition becomes a branch per element), shared stores by themselves
-                # (shared loads after a shared store cannot be hoisted above it). The v tile is
-                # always loaded (finite), so M blocks zero it by a factor.
+                # loads, masks and shared stores in loops of their own (the elementwise rule,
+                # tilelang_common). The v tile is always loaded (finite), so M blocks zero it by
+                # a factor.
                 for i, j in T.Parallel(C, BC):
                     x_f[i, j] = (T.cast(v_s[i, j], acc) * T.if_then_else(c0 < V, T.float32(1), T.float32(0))
                                  - T.exp2(gl_s[i] * LOG2E) * x_f[i, j])
