@@ -3,13 +3,19 @@
     python benchmarks/profile_kernels.py --shapes tp8_1x32k --intra auto,off
 
 Prints, per shape and intra setting, each CUDA kernel's total time over --iters iterations
-divided by --iters (ms per call), and writes profile_kernels.json under --out.
+divided by --iters (ms per call), and writes profile_kernels.json under --out. Next to the
+kernel sum: the wall time per call (do_bench median), the host time per call (calls issued
+back to back without waiting, so the GPU is not the limit while the launch queue has room),
+the CUDA runtime calls that wait for the GPU, and the host ops that took the most time. Where
+host_ms is near wall_ms and above total_ms, the launches are the cost, not the kernels.
 """
 
 import argparse
 import json
 import os
 import sys
+import time
+from collections import Counter
 
 import torch
 
@@ -36,6 +42,28 @@ def kernel_times(fn, iters):
         if t > 0:
             rows.append((ev.key[:90], round(t / iters / 1000, 4), ev.count // iters))
     return sorted(rows, key=lambda r: -r[1])
+
+
+WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def host_times(fn, iters):
+    """(wall ms per call, host ms per call, waiting runtime calls per call, top host ops)."""
+    import triton.testing
+
+    wall = triton.testing.do_bench(fn, return_mode="median")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):  # ~40 launches a call: well inside the launch queue
+        fn()
+    host = (time.perf_counter() - t0) / iters * 1e3
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    waits = Counter(ev.name for ev in prof.events() if ev.name in WAITING_CALLS)
+    top = sorted(prof.key_averages(), key=lambda ev: -ev.self_cpu_time_total)[:10]
+    return (round(wall, 4), round(host, 4), dict(waits),
+            [(ev.key[:60], round(ev.self_cpu_time_total / 1000, 4), ev.count) for ev in top])
 
 
 def main():
@@ -68,8 +96,10 @@ def main():
 
             for name, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
                 rows = kernel_times(fn, args.iters)
+                wall, host, waits, top = host_times(fn, args.iters)
                 entry = {"shape": sname, "intra": str(intra), "pass": name,
-                         "total_ms": round(sum(r[1] for r in rows), 4), "kernels": rows[:12]}
+                         "total_ms": round(sum(r[1] for r in rows), 4), "wall_ms": wall, "host_ms": host,
+                         "waiting_calls": waits, "kernels": rows[:12], "host_ops": top}
                 result.append(entry)
                 print(json.dumps(entry), flush=True)
     with open(os.path.join(args.out, "profile_kernels.json"), "w") as f:

@@ -53,28 +53,24 @@ def test_partitions_tile_each_sequence_at_chunk_boundaries(parts):
     assert plan.last_parts() == [p - 1 for p in plan.seq_parts[1:]]
 
 
-def test_auto_splits_only_when_sms_would_idle():
-    # TP8 (4 v-heads, one 32k sequence): 8 CTAs would leave the SMs idle -> split, >= 16 chunks each
-    p = auto_partitions(512, num_seqs=1, HV=4, V=128, sms=132)
-    assert p > 1 and 512 // p >= 16
-    # many heads and sequences already fill the GPU -> no split
-    assert auto_partitions(512, num_seqs=8, HV=32, V=128, sms=132) == 1
-    assert auto_partitions(128, num_seqs=4, HV=32, V=128, sms=132) == 1
-    # too short to pay for the summary pass
-    assert auto_partitions(20, num_seqs=1, HV=4, V=128, sms=132) == 1
-    # TP1 (32 v-heads, one sequence): 64 CTAs of 64-wide V tiles -> two partitions fill the SMs,
-    # from 256 chunks on (at 128 the split measured no faster)
-    assert auto_partitions(512, num_seqs=1, HV=32, V=128, sms=132) == 2
+def test_auto_splits_long_sequences_into_partitions_of_at_least_128_chunks():
+    # TP8 (4 v-heads) and TP1 (32 v-heads), one 32k sequence (512 chunks): four partitions
+    assert auto_partitions(512, num_seqs=1, HV=4, V=128, sms=132) == 4
+    assert auto_partitions(512, num_seqs=1, HV=32, V=128, sms=132) == 4
+    # 128k at TP8: 16 partitions of 128 chunks; at TP1 the grid stops it at 2 x SMs
+    assert auto_partitions(2048, num_seqs=1, HV=4, V=128, sms=132) == 16
+    assert auto_partitions(2048, num_seqs=1, HV=32, V=128, sms=132) == 8
+    # 8k sequences (128 chunks) are not split, alone or four of them
     assert auto_partitions(128, num_seqs=1, HV=32, V=128, sms=132) == 1
+    assert auto_partitions(128, num_seqs=4, HV=32, V=128, sms=132) == 1
+    # many sequences already fill the GPU
+    assert auto_partitions(512, num_seqs=8, HV=32, V=128, sms=132) == 1
+    assert auto_partitions(20, num_seqs=1, HV=4, V=128, sms=132) == 1
 
 
-def test_backward_splits_only_on_tiny_grids():
-    """The forward's split is cheap (warm-up); the backward's is not, so TP1 splits the forward only."""
-    tp1 = plan_split([0, 32768], HV=32, V=128, parts="auto", sms=132)
-    assert tp1.num_parts == 2 and not tp1.split_backward
-    tp8 = plan_split([0, 32768], HV=4, V=128, parts="auto", sms=132)
-    assert tp8.num_parts > 2 and tp8.split_backward
-    assert plan_split([0, 32768], HV=32, V=128, parts=4).split_backward  # an explicit P splits both
+def test_auto_plan_matches_auto_partitions():
+    plan = plan_split([0, 32768, 32768 + 8192], HV=4, V=128, parts="auto", sms=132)
+    assert plan.seq_parts == [0, 4, 5] and plan.split_parts == [0, 1, 2, 3]
 
 
 def _chunk_local_cumsum(g, cu):

@@ -779,8 +779,12 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     if cu_seqlens is not None:
         assert B == 1, "varlen inputs must be packed with B == 1"
         cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
-    else:
-        cu = (torch.arange(B + 1, device=dev, dtype=torch.int32) * Tn).contiguous()
+        dense_tabs = None
+    else:  # a dense batch is B packed sequences of T; their tables come from the host (below)
+        from .tilelang_split import plan_split
+
+        dense_tabs = plan_split([b * Tn for b in range(B + 1)], HV, V, 1).device_tensors(dev)
+        cu = dense_tabs["part_cu"]
     N = cu.shape[0] - 1
 
     def flat(x, *tail):
@@ -797,7 +801,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     if gcum is None or ag is None or ag.dtype != dt:
         from .tilelang_fwd import prepare_fwd
 
-        gcum, ag, ctab = prepare_fwd(kf, flat(g.float(), HV), b32, cu_seqlens=cu)
+        gcum, ag, ctab = prepare_fwd(kf, flat(g.float(), HV), b32, cu_seqlens=cu,
+                                     chunk_tab=None if dense_tabs is None else dense_tabs["seq_chunk_table"])
     gcum = kernel_operand(gcum.float())
     ag = kernel_operand(ag)
 
@@ -812,23 +817,20 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     # Intra-card split (saved by the split forward): the partitions are the sequences of every
     # kernel below, entered with the forward's scanned states; their exit-state gradients come
     # from a reverse scan over dS_local (the dh walk run once with zero exit gradients).
+    # Chunk bookkeeping: from the plan's device copies where the segments are known on the host
+    # (split partitions, dense batches), so the backward launches nothing and does not wait for
+    # the GPU here (H200, TP1 1x8k: fwd+bwd took 2.83 ms for 2.42 ms of kernel time with a sync)
     split = saved.get("split") if isinstance(saved, dict) else None
     if split is not None:
-        cu, ctab = split["part_cu"], split["part_chunk_table"]
+        cu, ctab, chunk_offsets = split["part_cu"], split["part_chunk_table"], split["part_chunk_offsets"]
         N = cu.shape[0] - 1
-    if ctab is None and cu_seqlens is None:
-        # dense batch: the table follows from (B, T) on the host and the cached plan keeps its
-        # device copy, so the backward does not wait for the GPU here (H200, TP1 1x8k: fwd+bwd
-        # took 2.83 ms for 2.42 ms of kernel time with this sync; the split path has none)
-        from .tilelang_split import plan_split
-
-        ctab = plan_split([b * Tn for b in range(B + 1)], HV, V, 1).device_tensors(dev)["seq_chunk_table"]
-    elif ctab is None:
-        ctab = chunk_table(cu)
-    lens = (cu[1:] - cu[:-1]).to(torch.int64)
-    n_chunks = (lens + CHUNK - 1) // CHUNK
-    chunk_offsets = torch.zeros(N + 1, dtype=torch.int32, device=dev)
-    chunk_offsets[1:] = torch.cumsum(n_chunks, 0).to(torch.int32)
+    elif dense_tabs is not None:
+        ctab, chunk_offsets = dense_tabs["seq_chunk_table"], dense_tabs["seq_chunk_offsets"]
+    else:
+        ctab = ctab if ctab is not None else chunk_table(cu)
+        n_chunks = ((cu[1:] - cu[:-1]).to(torch.int64) + CHUNK - 1) // CHUNK
+        chunk_offsets = torch.zeros(N + 1, dtype=torch.int32, device=dev)
+        chunk_offsets[1:] = torch.cumsum(n_chunks, 0).to(torch.int32)
     NC = int(ctab.shape[0])
 
     use_h0 = user_h0 or split is not None

@@ -25,10 +25,10 @@ dict (all tensors contiguous, token-major like the inputs):
     saved["cu_seqlens"] : int32 cu_seqlens or None
     saved["scale"], saved["state_v_first"] : python values
     saved["partitions"]: int, how many partitions the fused kernel walked (N when unsplit)
-    saved["split"]    : only when the backward runs over the partitions too (`tilelang_split`,
-                        `SplitPlan.split_backward`): part_cu, part_chunk_table, seq_parts,
-                        first_parts, S_in (state entering each partition, fp32 [NP, HV, K, V]),
-                        M (transition of each partition) and dh_walk_chunks (`dh_warmup_chunks`)
+    saved["split"]    : only when split (`tilelang_split`): part_cu, part_chunk_table,
+                        part_chunk_offsets, seq_parts, first_parts, S_in (state entering each
+                        partition, fp32 [NP, HV, K, V]), M (transition of each partition) and
+                        dh_walk_chunks (`decay_tables`)
 
 The chunk states h (state before each chunk) are not stored by the forward; the backward
 recomputes them (one pass of the fused kernel with `store_h`, or its own kernel).
@@ -608,11 +608,7 @@ def tilelang_chunk_gated_delta_rule_fwd(
     if plan is not None:
         o, final, split = _split_forward(q, k, v, ag, g_cum, float(scale), initial_state, output_final_state,
                                          state_v_first, plan, cfg)
-        if plan.split_backward:  # else the backward walks the whole sequences from the initial state
-            from .tilelang_split import dh_warmup_chunks
-
-            split["dh_walk_chunks"] = dh_warmup_chunks(g_cum.reshape(1, -1, HV), plan)
-            saved["split"] = split
+        saved["split"] = split  # the backward runs over the same partitions
         return o, final, saved
 
     sdims = (V, K) if state_v_first else (K, V)
@@ -643,7 +639,7 @@ def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state,
     """The forward with sequences cut into partitions (see `tilelang_split`), after the prepare
     kernel: (h, M) per partition, GPU scan for each partition's incoming state, then the fused
     kernel (tiles `cfg`) over the partitions. Returns (o, final state or None, saved["split"])."""
-    from .tilelang_split import scan_partitions, state_summaries
+    from .tilelang_split import decay_tables, scan_partitions, state_summaries
 
     B, Tn, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -652,7 +648,8 @@ def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state,
     qf, kf, vf, agf, gf = (x.reshape(1, B * Tn, *x.shape[2:]) for x in (q, k, v, ag, g_cum))
 
     idx = plan.device_tensors(dev)
-    h_part, m_part = state_summaries(kf, vf, agf, gf, plan)
+    starts, dh_walk = decay_tables(gf, plan)
+    h_part, m_part = state_summaries(kf, vf, agf, gf, plan, starts)
     if initial_state is not None:
         h0 = state_kv_layout(initial_state, state_v_first)
         assert tuple(h0.shape) == (N, HV, K, V), f"initial_state must hold {N} states"
@@ -669,9 +666,11 @@ def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state,
     split = {
         "part_cu": idx["part_cu"],
         "part_chunk_table": idx["part_chunk_table"],
+        "part_chunk_offsets": idx["part_chunk_offsets"],
         "seq_parts": idx["seq_parts"],
         "first_parts": idx["first_parts"],
         "S_in": s_in,
         "M": m_part,
+        "dh_walk_chunks": dh_walk,
     }
     return o.reshape(B, Tn, HV, V), final, split

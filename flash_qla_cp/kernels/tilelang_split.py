@@ -17,6 +17,9 @@ side by side as if they were separate sequences:
    with M^T: dS_out(p - 1) = M_p^T dS_out(p) + dS_local(p).
 3. The ordinary fused forward kernel then runs every partition from its true incoming state.
 
+The warm-up starts and the backward's dh walk lengths come from `build_decay_tables_kernel`
+(one launch); `warmup_starts` / `dh_warmup_chunks` are their torch references.
+
 The partitions reuse G and Ag of the prepare kernel unchanged (cuts fall on chunk
 boundaries, so the chunk-local quantities are the same). The backward kernels take the
 partitions as sequences too; see `tilelang_bwd_impl.py` ("split" in `saved`).
@@ -32,11 +35,13 @@ import torch
 from .tilelang_common import CHUNK, compile_kernel, import_tilelang, kernel_operand, tl_dtype
 
 LOG2E = 1.4426950408889634
-MIN_CHUNKS_PER_PART = 16  # shorter partitions spend more on the summary pass than they save
+# Partitions keep at least this many chunks (8k tokens). H200, bf16, K = V = 128, fwd / fwd+bwd ms
+# by partitions per sequence (benchmarks/results/tune_split_hostfix_h200_2026-12-03.json):
+# TP1 1x32k (512 chunks) P = 1 (forward-only P = 2 before) 0.87 / 4.96, P = 2 0.88 / 4.71,
+# P = 4 0.88 / 4.38; TP8 1x32k P = 4 0.25 / 1.57, P = 32 0.34 / 1.68; TP1 1x8k (128 chunks)
+# unsplit 0.26 / 1.33, P = 2 0.35 / 1.81; TP1 4x8k unsplit 0.80 / 4.94, P = 2 0.91 / 4.50.
+MIN_CHUNKS_PER_PART = 128
 MAX_PARTS = 64
-# The forward-only split (many heads) pays from this length on: H200, 32 v-heads, fwd ms
-# unsplit / two partitions: 1x8k (128 chunks) 0.385 / 0.389, 1x32k (512 chunks) 1.48 / 1.14.
-FORWARD_SPLIT_MIN_CHUNKS = 256
 # A state damped by exp(-16) ~ 1.1e-7 (the fp32 resolution) may be dropped. The bound
 # ||prod_t exp(g_t) (I - beta_t k_t k_t^T)|| <= exp(sum g) needs beta_t ||k_t||^2 <= 2, i.e. no
 # step that expands the state: the layer's l2-normalised k and sigmoid beta give that, and
@@ -53,6 +58,8 @@ __all__ = [
     "WARMUP_LOG_DECAY",
     "build_state_summary_kernel",
     "build_partition_scan_kernel",
+    "build_decay_tables_kernel",
+    "decay_tables",
     "state_summaries",
     "scan_partitions",
 ]
@@ -66,32 +73,13 @@ def grid_ctas(num_seqs: int, HV: int, V: int) -> int:
     return max(1, num_seqs * HV * max(1, V // 64))
 
 
-def splits_backward(num_seqs: int, HV: int, V: int, sms: int) -> bool:
-    """Whether the backward runs over the partitions too. Its split has no warm-up shortcut (a
-    full extra dh walk per partition), so it pays only when the unsplit grid is tiny: at most
-    SMs / 8 CTAs (H200, benchmarks/results/tune_split_h200_2026-12-03.json: 4 v-heads x 1x32k
-    fwd+bwd 7.04 ms whole, 2.40-2.52 ms at P = 16-32; 32 v-heads x 1x8k 2.80 ms whole,
-    3.9-4.6 ms split)."""
-    return 8 * grid_ctas(num_seqs, HV, V) <= sms
-
-
 def auto_partitions(n_chunks: int, num_seqs: int, HV: int, V: int, sms: int) -> int:
-    """Partitions for a sequence of `n_chunks` chunks (a power of two; 1 means no split),
-    keeping at least MIN_CHUNKS_PER_PART chunks per partition.
-
-    With the warm-up shortcut the forward's split costs a few chunks per cut plus the scan, so
-    it is worth it whenever the unsplit grid leaves SMs idle: P doubles until the grid covers
-    ~90% of them (TP1 1x32k, 32 v-heads: 64 CTAs -> P = 2; H200 per-chunk times of the fused
-    kernel: 2.4 us at block_v 32, 2.9 us at 64, so 2 x 64-wide beats 4 x 32-wide tiles), for
-    sequences of at least FORWARD_SPLIT_MIN_CHUNKS chunks. Where the backward splits too
-    (`splits_backward`), P grows to about 2 x SMs as measured there."""
+    """Partitions for a sequence of `n_chunks` chunks (a power of two; 1 means no split): P
+    doubles while every partition keeps MIN_CHUNKS_PER_PART chunks and the grid of 64-wide V
+    tiles stays under 2 x SMs. The forward's and the backward's split are the same."""
     ctas = grid_ctas(num_seqs, HV, V)
-    both = splits_backward(num_seqs, HV, V, sms)
-    if not both and n_chunks < FORWARD_SPLIT_MIN_CHUNKS:
-        return 1
-    target = sms if both else 0.9 * sms
     parts = 1
-    while parts < MAX_PARTS and ctas * parts < target and n_chunks // (2 * parts) >= MIN_CHUNKS_PER_PART:
+    while parts < MAX_PARTS and ctas * parts < 2 * sms and n_chunks // (2 * parts) >= MIN_CHUNKS_PER_PART:
         parts *= 2
     return parts
 
@@ -104,7 +92,6 @@ class SplitPlan:
     seq_parts: list  # partitions of sequence n are seq_parts[n] .. seq_parts[n + 1] - 1
     split_parts: list  # partitions of sequences cut into >= 2 (they need a summary)
     seq_cu: list = field(default_factory=list)  # the sequences' own offsets
-    split_backward: bool = True  # the backward runs over the partitions (else over the sequences)
     _on_device: dict = field(default_factory=dict, repr=False)
 
     def device_tensors(self, device) -> dict:
@@ -121,6 +108,8 @@ class SplitPlan:
                 "last_parts": torch.tensor(self.last_parts(), dtype=torch.int64).to(device),
                 "part_chunk_table": host_chunk_table(self.part_cu, device),
                 "seq_chunk_table": host_chunk_table(self.seq_cu, device),
+                "part_chunk_offsets": host_chunk_offsets(self.part_cu, device),
+                "seq_chunk_offsets": host_chunk_offsets(self.seq_cu, device),
                 **{name: t.to(device) for name, t in partition_chunk_ends(self.part_cu).items()},
             }
         return self._on_device[key]
@@ -147,6 +136,12 @@ def host_chunk_table(offsets: list, device) -> torch.Tensor:
     seg = torch.repeat_interleave(torch.arange(len(counts)), counts)
     local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[seg]
     return torch.stack([seg, local], 1).to(torch.int32).to(device)
+
+
+def host_chunk_offsets(offsets: list, device) -> torch.Tensor:
+    """[N + 1] int32: where each segment's chunks start in the packed chunk numbering."""
+    counts = [-(-(b - a) // CHUNK) for a, b in zip(offsets, offsets[1:])]
+    return torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
 
 
 def partition_chunk_ends(part_cu: list) -> dict:
@@ -191,7 +186,8 @@ def _count_per_partition(qualifies: torch.Tensor, idx: dict) -> torch.Tensor:
 
 
 def warmup_starts(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = WARMUP_LOG_DECAY) -> torch.Tensor:
-    """[NP, HV] int32: per partition and v-head, the chunk where the summary walk may start.
+    """[NP, HV] int32: per partition and v-head, the chunk where the summary walk may start
+    (torch reference of `build_decay_tables_kernel`'s starts).
 
     The state entering chunk c reaches the partition's end damped by at least
     exp(sum of the chunk decays from c to the end), so the walk can start from zero at the
@@ -212,7 +208,8 @@ def warmup_starts(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = WAR
 
 def dh_warmup_chunks(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = WARMUP_LOG_DECAY) -> torch.Tensor:
     """[NP, HV] int32: per partition and v-head, how many of its first chunks the backward's
-    first dh walk must cover (the mirror of `warmup_starts`).
+    first dh walk must cover (the mirror of `warmup_starts`; torch reference of
+    `build_decay_tables_kernel`'s dh_walk).
 
     That walk computes the gradient reaching the partition's start from its own outputs, with a
     zero gradient at its end. A gradient entering at chunk W comes back to the start damped by
@@ -235,8 +232,8 @@ def dh_warmup_chunks(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = 
 def plan_split(cu_host, HV: int, V: int, parts="auto", sms: int = 132) -> SplitPlan:
     """Cut each sequence of `cu_host` (host ints) at chunk boundaries into partitions.
 
-    parts: 'auto' (`auto_partitions` per sequence; the backward splits only where
-    `splits_backward` says so) or an int P (at most one per chunk; forward and backward).
+    parts: 'auto' (`auto_partitions` per sequence) or an int P (at most one per chunk). The
+    backward runs over the same partitions.
     Empty sequences keep one empty partition so that every sequence has a first and a last.
     Plans are cached: a training loop with fixed shapes builds each one once.
     """
@@ -261,8 +258,7 @@ def _plan_split(cu_host: tuple, HV: int, V: int, parts, sms: int) -> SplitPlan:
         seq_parts.append(len(part_cu) - 1)
         if P > 1:
             split_parts += list(range(first, first + P))
-    split_backward = parts != "auto" or splits_backward(num_seqs, HV, V, sms)
-    return SplitPlan(part_cu, seq_parts, split_parts, list(cu_host), split_backward)
+    return SplitPlan(part_cu, seq_parts, split_parts, list(cu_host))
 
 
 # ----------------------------------------------------------------------------------------
@@ -430,11 +426,84 @@ def build_partition_scan_kernel(HV: int, K: int, V: int, reverse: bool, block_v:
 
 
 # ----------------------------------------------------------------------------------------
+# Kernel 3: the warm-up tables, one launch instead of ~50 small torch ops
+# ----------------------------------------------------------------------------------------
+def build_decay_tables_kernel(HV: int, threshold: float = WARMUP_LOG_DECAY):
+    """PrimFunc: grid (NP, ceil(HV / 32)), one thread per (partition, v-head). Writes both
+    tables of the torch references `warmup_starts` (starts) and `dh_warmup_chunks` (dh_walk)
+    from the chunk decays (g_cum at each chunk's last row, clamped to <= 0), summed in float64.
+    The dh walk ends at the first chunk where the decay from the partition's start passes the
+    threshold, the warm-up starts at the last chunk where the decay to its end does: a scan
+    from each end that stops reading there, so with real gates each thread reads a few chunks
+    (all of them for a g = 0 head). The torch versions launch ~50 tiny kernels per forward,
+    host time that was most of the split forward at few heads (TP8 1x32k on the H200: ~1 ms
+    per call for 0.29 ms of kernels).
+
+    Arguments: g_cum [1,T,HV] fp32 (chunk-local cumulative gate), part_cu [NP+1] int32,
+    starts [NP,HV] int32, dh_walk [NP,HV] int32.
+    """
+    _, T = import_tilelang()
+    TT = T.dynamic("tokens")
+    NP1 = T.dynamic("num_parts_plus_one")
+    f64 = "float64"
+    limit = T.float64(threshold)
+
+    @T.prim_func
+    def gdn_decay_tables(
+        g_cum: T.Tensor((1, TT, HV), "float32"),
+        part_cu: T.Tensor((NP1,), "int32"),
+        starts: T.Tensor((NP1 - 1, HV), "int32"),
+        dh_walk: T.Tensor((NP1 - 1, HV), "int32"),
+    ):
+        with T.Kernel(NP1 - 1, T.ceildiv(HV, 32), threads=32) as (p, hb):
+            h = hb * 32 + T.get_thread_binding()
+            acc = T.alloc_var(f64)
+            start = T.alloc_var("int32")
+            walk = T.alloc_var("int32")
+            if h < HV:
+                t0 = part_cu[p]
+                length = part_cu[p + 1] - t0
+                n = T.ceildiv(length, CHUNK)
+                # decay from the start, chunk by chunk, until it passes the threshold
+                acc = T.float64(0)
+                walk = n
+                for c in T.serial(n):
+                    if walk == n:
+                        acc = acc + T.Cast(f64, T.min(g_cum[0, t0 + T.min((c + 1) * CHUNK, length) - 1, h], 0.0))
+                        if acc < limit:
+                            walk = c + 1
+                # decay to the end, from the last chunk backwards, until it passes the threshold
+                acc = T.float64(0)
+                start = -1
+                for i in T.serial(n):
+                    if start < 0:
+                        acc = acc + T.Cast(f64, T.min(g_cum[0, t0 + T.min((n - i) * CHUNK, length) - 1, h], 0.0))
+                        if acc < limit:
+                            start = n - 1 - i
+                starts[p, h] = start
+                dh_walk[p, h] = walk
+
+    return gdn_decay_tables
+
+
+# ----------------------------------------------------------------------------------------
 # Python wrappers
 # ----------------------------------------------------------------------------------------
-def state_summaries(k, v, ag, gcum, plan: SplitPlan):
+def decay_tables(gcum: torch.Tensor, plan: SplitPlan):
+    """(warm-up starts, dh walk lengths), each [NP, HV] int32: what `warmup_starts` and
+    `dh_warmup_chunks` compute, in one kernel launch. gcum [1, T, HV] fp32 on the GPU."""
+    HV = gcum.shape[-1]
+    starts = torch.empty(plan.num_parts, HV, dtype=torch.int32, device=gcum.device)
+    walk = torch.empty_like(starts)
+    kern = compile_kernel(build_decay_tables_kernel, HV=HV)
+    kern(kernel_operand(gcum), plan.device_tensors(gcum.device)["part_cu"], starts, walk)
+    return starts, walk
+
+
+def state_summaries(k, v, ag, gcum, plan: SplitPlan, starts: torch.Tensor):
     """(h [NP,HV,K,V], M [NP,HV,K,K]) fp32 of the partitions of split sequences (other rows
-    are left unset), with the warm-up shortcut of `warmup_starts`. Inputs packed [1, T, ...]."""
+    are left unset), each walked from its warm-up start (`decay_tables`). Inputs packed
+    [1, T, ...]."""
     _, _, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     NP = plan.num_parts
@@ -443,7 +512,7 @@ def state_summaries(k, v, ag, gcum, plan: SplitPlan):
     if plan.split_parts:
         dev = plan.device_tensors(k.device)
         kern = compile_kernel(build_state_summary_kernel, H=H, HV=HV, K=K, V=V, dtype=tl_dtype(k.dtype))
-        kern(k, v, ag, gcum, dev["part_cu"], dev["todo"], warmup_starts(gcum, plan), h, M)
+        kern(k, v, ag, gcum, dev["part_cu"], dev["todo"], starts, h, M)
     return h, M
 
 
@@ -471,4 +540,5 @@ def split_kernel_specs(H, HV, K, V, dtype):
         (build_state_summary_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype)),
         (build_partition_scan_kernel, dict(HV=HV, K=K, V=V, reverse=False, block_v=bv)),
         (build_partition_scan_kernel, dict(HV=HV, K=K, V=V, reverse=True, block_v=bv)),
+        (build_decay_tables_kernel, dict(HV=HV)),
     ]

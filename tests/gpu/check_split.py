@@ -75,19 +75,46 @@ def run(case, dtype, backend, intra, state_v_first=False, with_h0=True):
     return {k: v.float().cpu() for k, v in out.items()}
 
 
+def check_decay_tables():
+    """The warm-up tables kernel against its torch references, element for element: slow, fast
+    and g = 0 heads over 40 v-heads (two thread blocks per partition), an empty sequence and
+    partitions of 1 to 100 chunks."""
+    from flash_qla_cp.kernels.tilelang_split import decay_tables, dh_warmup_chunks, plan_split, warmup_starts
+
+    HV = 40
+    cu = [0, 64 * 37 + 5, 64 * 37 + 5, 64 * 37 + 5 + 64 * 200 + 63, 64 * 37 + 5 + 64 * 200 + 63 + 17]
+    gen = torch.Generator().manual_seed(11)
+    rates = torch.tensor([0.003, 0.03, 1.0, 0.0] * (HV // 4), dtype=torch.float64)
+    g = -rates * torch.nn.functional.softplus(torch.randn(1, cu[-1], HV, generator=gen, dtype=torch.float64))
+    gcum = torch.empty_like(g)  # what the prepare kernel saves: g summed inside each chunk
+    for a, b in zip(cu, cu[1:]):
+        for c in range(a, b, 64):
+            gcum[:, c : min(c + 64, b)] = g[:, c : min(c + 64, b)].cumsum(1)
+    gcum = gcum.float().cuda()
+    out = {}
+    for parts in (3, 16):
+        plan = plan_split(cu, HV=HV, V=128, parts=parts)
+        starts, walk = decay_tables(gcum, plan)
+        out[f"p{parts}"] = {"starts_equal": torch.equal(starts, warmup_starts(gcum, plan)),
+                            "walk_equal": torch.equal(walk, dh_warmup_chunks(gcum, plan))}
+    ok = all(all(r.values()) for r in out.values())
+    print(json.dumps({"case": "decay_tables", "ok": ok, **out}), flush=True)
+    return ok
+
+
 def main():
     assert tilelang_backward_enabled(), "unset FLASH_QLA_CP_TILELANG_BWD=0: this checks the TileLang backward"
     tilelang_bwd_impl.POISON_BUFFERS = True
+    failed = not check_decay_tables()
     cases = [
         # name, lengths, dense, HV, H, D, intra, state_v_first, with_h0
         ("varlen_odd_p8", [16384, 1000, 3001], False, 4, 2, 128, 8, False, True),
         ("varlen_auto", [20000, 77, 4096], False, 4, 2, 128, "auto", False, True),
         ("dense_b2_p4_vfirst", [8192, 8192], True, 4, 2, 128, 4, True, True),
         ("gva_d64_p16_noh0", [12345], False, 8, 2, 64, 16, False, False),
-        # TP1-like: 'auto' splits the forward only (the backward walks the whole sequence)
-        ("tp1_auto_forward_split", [16384 + 77], False, 32, 16, 128, "auto", False, True),
+        # TP1-like (32 v-heads): 'auto' cuts 257 chunks in two, forward and backward
+        ("tp1_auto", [16384 + 77], False, 32, 16, 128, "auto", False, True),
     ]
-    failed = False
     for seed, (name, lengths, dense, HV, H, D, intra, vfirst, with_h0) in enumerate(cases):
         case = make_case(lengths, dense, HV, H, D, seed=seed)
         ref = run(case, torch.float64, "torch", "off", vfirst, with_h0)
