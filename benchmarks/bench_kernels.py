@@ -19,8 +19,11 @@ Accuracy: every library's forward output and final state are compared with the t
 reference computed in float32 on the same GPU (relative L2 error, columns o_err / ht_err).
 
 Timing: triton.testing.do_bench (warm-up, then the median of repeated launches, L2 flushed
-between runs by do_bench). No CUDA graphs: the varlen paths of all three libraries read
+between runs by do_bench). Eager by default: the varlen paths of all three libraries read
 sequence metadata on the host, so eager timing is the common ground; it is the same for all.
+--graphs adds columns timed by replaying each call captured in a CUDA graph (what a training
+loop under CUDA graphs pays: no host launch cost), for every library whose call can be
+captured; a call that waits for the GPU on the host cannot, and its row says so.
 Forward+backward sets the inputs' .grad to None before each backward, so the gradients are
 written rather than added into (the results up to bench_kernels_h200_2026-12-03_elementwise
 include that add, about 0.38 ms at TP1 1x32k, for every library alike).
@@ -246,11 +249,31 @@ def measure(fn, rep_ms):
     return ms, peak
 
 
+def graphed(fn):
+    """A callable replaying one call of `fn` captured in a CUDA graph, or the reason it cannot be
+    captured (a host sync inside the call). Warm-up on a side stream first, as torch asks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as exc:  # noqa: BLE001
+        torch.cuda.synchronize()
+        return f"not capturable: {exc!r}"[:300]
+    return graph.replay
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--libs", default="ours,flashqla,fla")
     ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--graphs", action="store_true", help="also time replays of CUDA-graph captured calls")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms of timed launches)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--md-from", default=None,
@@ -278,8 +301,9 @@ def main():
         "gpu": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "versions": lib_versions(),
-        "timing": ("triton.testing.do_bench median, eager (no CUDA graphs); fwd+bwd with .grad set to None "
-                   "before each backward"),
+        "timing": ("triton.testing.do_bench median, eager" + (" and CUDA-graph replays" if args.graphs else
+                                                               " (no CUDA graphs)")
+                   + "; fwd+bwd with .grad set to None before each backward"),
         "flops": flop_count.__doc__.strip(),
         "bytes": byte_count.__doc__.strip(),
     }
@@ -325,6 +349,17 @@ def main():
                                fwdbwd_peak_mib=peak / 2**20)
                 except Exception as exc:  # noqa: BLE001
                     row["fwdbwd_error"] = (repr(exc) + " | " + traceback.format_exc()[-800:])[:1500]
+            if args.graphs:
+                for name, fn in (("fwd", fwd), ("fwdbwd", None if args.no_bwd else fwdbwd)):
+                    if callable(fn) and f"{name}_ms" in row:
+                        try:
+                            replay = graphed(fn)
+                            if isinstance(replay, str):
+                                row[f"{name}_graph_error"] = replay
+                            else:
+                                row[f"{name}_graph_ms"] = measure(replay, args.rep)[0]
+                        except Exception as exc:  # noqa: BLE001
+                            row[f"{name}_graph_error"] = repr(exc)[:300]
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
@@ -370,15 +405,25 @@ def to_markdown(meta, rows, partial=False):
     def sci(r, key):
         return "-" if r.get(key) is None else f"{r[key]:.1e}"
 
+    graphs = any(k in r for r in rows for k in ("fwd_graph_ms", "fwd_graph_error"))
+    if graphs:
+        out[-2] = out[-2].replace(" | note |", " | graph fwd ms | x FlashQLA | graph fwd+bwd ms | x FlashQLA | note |")
+        out[-1] += "---|---|---|---|"
+        peer.update({(r["shape"], key): r.get(key) for r in rows if r["lib"] == "flashqla"
+                     for key in ("fwd_graph_ms", "fwdbwd_graph_ms")})
     for r in rows:
         cfg = r.get("ours_config")
         note = ("config " + ",".join(f"{k}={v}" for k, v in cfg.items()) + "; ") if cfg else ""
-        note += "; ".join(r[k][:160].replace("|", "/").replace("\n", " ") for k in ("fwd_error", "fwdbwd_error") if k in r)
+        note += "; ".join(r[k][:160].replace("|", "/").replace("\n", " ")
+                          for k in ("fwd_error", "fwdbwd_error", "fwd_graph_error", "fwdbwd_graph_error") if k in r)
         out.append(
             f"| {r['shape']} | {r['lib']} | {_fmt(r, 'fwd_ms')} | {speedup(r, 'fwd_ms')} | {_fmt(r, 'fwd_tflops', 1)} | "
             f"{_fmt(r, 'fwd_gbps', 0)} | {_fmt(r, 'fwd_peak_mib', 0)} | {_fmt(r, 'fwdbwd_ms')} | "
             f"{speedup(r, 'fwdbwd_ms')} | {_fmt(r, 'fwdbwd_tflops', 1)} | {_fmt(r, 'fwdbwd_peak_mib', 0)} | "
-            f"{sci(r, 'o_err')} | {sci(r, 'ht_err')} | {note} |"
+            f"{sci(r, 'o_err')} | {sci(r, 'ht_err')} | "
+            + (f"{_fmt(r, 'fwd_graph_ms')} | {speedup(r, 'fwd_graph_ms')} | {_fmt(r, 'fwdbwd_graph_ms')} | "
+               f"{speedup(r, 'fwdbwd_graph_ms')} | " if graphs else "")
+            + f"{note} |"
         )
     return "\n".join(out) + "\n"
 

@@ -6,7 +6,7 @@
 #   then, here: cp <files_at>/tlcache.tar.xz .device/   (next call compiles nothing it has seen)
 #
 # Phases: check_fwd check_bwd check_split check_cp bench tune_fwd trace_fwd tune_split profile long_seq. SHAPES / LIBS narrow the
-# benchmark (SHAPES / PARTS / FWD_BV / SPLIT_H the split sweep);
+# benchmark (GRAPHS=1 adds CUDA-graph replay timings, BENCH_NAME names its output folder; SHAPES / PARTS / FWD_BV / SPLIT_H the split sweep);
 # CP_CHECKS the CP checks (intra, inter); CHECK_FWD_ARGS check_fwd.py's options (default "--quick");
 # VARIANTS tune_fwd.py's kernel variants; CHECK_BWD_ARGS check_bwd.py's options (default
 # "--quick --no-bench"; e.g. "--no-bench --h-kernel ws"); SEQ_LENS the long-sequence ladder
@@ -39,7 +39,7 @@ for phase in "$@"; do
     profile) timeout 240 python benchmarks/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
                ${INTRA:+--intra "$INTRA"} 2>&1 | grep '^{' | cut -c1-1500 ;;
     check_cp) timeout "${CHECK_TIMEOUT:-300}" python tests/gpu/check_cp.py ${CP_CHECKS:-intra inter} 2>&1 | grep -v TileLang | tee "$OUT/check_cp.log" | cut -c1-600 ;;
-    bench) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_kernels.py --out "$OUT/bench" \
+    bench) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_kernels.py --out "$OUT/${BENCH_NAME:-bench}" ${GRAPHS:+--graphs} \
              ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-300 ;;
     long_seq)
       for L in ${SEQ_LENS:-262144 524288}; do
