@@ -10,6 +10,8 @@ is what `kernels/tilelang_split.auto_partitions` picks. Writes tune_split.json u
 those V tiles (fwd_ms_bv<N>) next to the default tile's, to tune `default_fused_config` and
 the split's grid rule together. --split-h-kernels serial,ws times forward+backward once per h
 walk the split backward may take (fwdbwd_ms_h<kind>; `SPLIT_H_KERNEL` in tilelang_bwd_impl).
+--graphs adds fwd_graph_ms / fwdbwd_graph_ms: the same calls replayed from a CUDA graph, i.e.
+the GPU time without the host's launch cost (what a step pays when the host runs ahead).
 """
 
 import argparse
@@ -23,12 +25,20 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_kernels import shape_inputs  # noqa: E402
+from bench_kernels import graphed, shape_inputs  # noqa: E402
 
 from flash_qla_cp import chunk_gated_delta_rule  # noqa: E402
 from flash_qla_cp.kernels import tilelang_bwd_impl as bwd_impl  # noqa: E402
 from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd  # noqa: E402
 from flash_qla_cp.ops import tilelang_backward_enabled  # noqa: E402
+
+
+def time_replay(fn, rep):
+    """do_bench median of `fn` replayed from a CUDA graph, or why it could not be captured."""
+    import triton.testing
+
+    replay = graphed(fn)
+    return replay if isinstance(replay, str) else triton.testing.do_bench(replay, rep=rep, return_mode="median")
 
 
 def main():
@@ -38,6 +48,7 @@ def main():
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--fwd-block-v", default="", help="comma list of ws block_v tiles to time the forward at")
     ap.add_argument("--split-h-kernels", default="", help="comma list of h walks for the split backward")
+    ap.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays of fwd and fwd+bwd")
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -65,6 +76,8 @@ def main():
                 row["parts_used"] = saved["partitions"]
                 row["backward_split"] = "split" in saved
                 row["fwd_ms"] = triton.testing.do_bench(fwd, rep=args.rep, return_mode="median")
+                if args.graphs:
+                    row["fwd_graph_ms"] = time_replay(fwd, args.rep)
                 for bv in filter(None, args.fwd_block_v.split(",")):
                     cfg = {"warp_specialized": True, "block_v": int(bv)}
 
@@ -81,6 +94,8 @@ def main():
                         o.backward(do)
 
                     row["fwdbwd_ms"] = triton.testing.do_bench(fwdbwd, rep=args.rep, return_mode="median")
+                    if args.graphs:
+                        row["fwdbwd_graph_ms"] = time_replay(fwdbwd, args.rep)
                     default_h = bwd_impl.SPLIT_H_KERNEL
                     for kind in filter(None, args.split_h_kernels.split(",")):
                         bwd_impl.SPLIT_H_KERNEL = kind

@@ -6,7 +6,7 @@
 #   then, here: cp <files_at>/tlcache.tar.xz .device/   (next call compiles nothing it has seen)
 #
 # Phases: check_fwd check_bwd check_split check_cp bench tune_fwd trace_fwd tune_split profile long_seq. SHAPES / LIBS narrow the
-# benchmark (GRAPHS=1 adds CUDA-graph replay timings, BENCH_NAME names its output folder; SHAPES / PARTS / FWD_BV / SPLIT_H the split sweep);
+# benchmark (GRAPHS=1 adds CUDA-graph replay timings, also to tune_split; BENCH_NAME names its output folder; SHAPES / PARTS / FWD_BV / SPLIT_H the split sweep);
 # CP_CHECKS the CP checks (intra, inter); CHECK_FWD_ARGS check_fwd.py's options (default "--quick");
 # VARIANTS tune_fwd.py's kernel variants; CHECK_BWD_ARGS check_bwd.py's options (default
 # "--quick --no-bench"; e.g. "--no-bench --h-kernel ws"); SEQ_LENS the long-sequence ladder
@@ -34,7 +34,7 @@ for phase in "$@"; do
     check_split) timeout "${CHECK_TIMEOUT:-400}" python tests/gpu/check_split.py 2>&1 | grep -v TileLang | tee "$OUT/check_split.log" | cut -c1-700 ;;
     tune_split) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/tune_split.py --out "$OUT/tune_split" \
                   ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} ${FWD_BV:+--fwd-block-v "$FWD_BV"} \
-                  ${SPLIT_H:+--split-h-kernels "$SPLIT_H"} 2>&1 \
+                  ${SPLIT_H:+--split-h-kernels "$SPLIT_H"} ${GRAPHS:+--graphs} 2>&1 \
                   | grep '^{' | cut -c1-400 ;;
     profile) timeout 240 python benchmarks/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
                ${INTRA:+--intra "$INTRA"} 2>&1 | grep '^{' | cut -c1-1500 ;;
