@@ -1,0 +1,132 @@
+"""The chunked backward written out by hand, one reverse walk per sequence (torch).
+
+The TileLang backward splits this work over three kernels (h walk, dh walk, grad kernel; SPEC
+in `tilelang_bwd_impl.py`). Here the same per-chunk formulas run in one reverse walk over the
+whole state, with dq and dk formed per v-head and summed over each qk-head's v-heads at the
+end: the structure of a fused dh + grad kernel, executable on the CPU and tested against
+autograd through `chunk_gated_delta_rule_torch` (tests/test_reference_backward.py).
+
+Per chunk (notation of `reference_chunked.py`; E = diag(exp G), Gam_ij = exp(G_i - G_j) on
+the causal triangle, GL = G at the chunk's last row, S the state entering the chunk and dS'
+the gradient of the state leaving it; padding rows have q = k = v = beta = 0, g = 0):
+    Tm = (I + A)^-1,  Ag = Tm diag(beta),  vres = v - E k S,  v_new = Ag vres
+    P    = scale tril_incl(q k^T o Gam)
+    dvn  = P^T dO + diag(exp(GL - G)) k dS'           (gradient of v_new)
+    t    = Ag^T dvn                                     (= dv, the gradient of vres)
+    dS   = exp(GL) dS' + (scale E q)^T dO - (E k)^T t
+    dAg  = tril_incl(dvn vres^T),  dA = -strict_lower(Tm^T dAg diag(beta) Tm^T)
+    Pm   = scale tril_incl(dO v_new^T o Gam)
+    dq   = scale E dO S^T + Pm k
+    dk   = -E t S^T + diag(exp(GL - G)) v_new dS'^T + Pm^T q + X k + X^T k,
+           X = diag(beta) dA o Gam (strictly lower)
+    dbeta = rowsum(dA o k k^T o Gam) + colsum(dAg o Tm)
+    dG   = rowsum(Y) - colsum(Y) for Y = Pm o q k^T and Y = X o k k^T, + rowsum of the
+           E-terms (scale E dO S^T o q, -E t S^T o k), - rowsum(diag(exp(GL - G)) v_new dS'^T o k),
+           and at the last row exp(GL) <S, dS'> + sum of that last rowsum;
+    dg   = reverse cumsum of dG inside the chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference_chunked import CHUNK_SIZE, _decay_diff, _to_chunks, compute_dtype
+from .shapes import expand_qk_heads, padded_chunk_index, sequence_bounds
+
+
+def _chunk_backward(q, k, v, g, beta, scale, S0, do, dS_last):
+    """Gradients on chunk-aligned tensors [N, HV, NT, C, ...] (see `chunk_scan`)."""
+    C = q.shape[-2]
+    G = g.cumsum(-1)
+    GL = G[..., -1]
+    gam_incl = _decay_diff(G, include_diagonal=True)
+    gam_strict = _decay_diff(G, include_diagonal=False)
+    kk = k @ k.transpose(-1, -2)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    Tm = torch.linalg.solve_triangular(eye + beta[..., :, None] * kk * gam_strict, eye.expand_as(kk),
+                                       upper=False, unitriangular=True)
+    Ag = Tm * beta[..., None, :]
+    eG = torch.exp(G)[..., None]
+    k_tail = torch.exp(GL[..., None] - G)[..., None]  # exp(GL - G) per row
+    P = scale * (q @ k.transpose(-1, -2)) * gam_incl
+    lower_incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+
+    # forward walk: the state entering every chunk and vres
+    states, vres_all = [], []
+    S = S0
+    for c in range(q.shape[2]):
+        vres = v[:, :, c] - eG[:, :, c] * (k[:, :, c] @ S)
+        states.append(S)
+        vres_all.append(vres)
+        S = torch.exp(GL[:, :, c])[..., None, None] * S + (k_tail[:, :, c] * k[:, :, c]).transpose(-1, -2) @ (
+            Ag[:, :, c] @ vres)
+
+    dq, dk, dv, dg, dbeta = (torch.zeros_like(x) for x in (q, k, v, g, beta))
+    dS = dS_last
+    for c in reversed(range(q.shape[2])):
+        S, vres = states[c], vres_all[c]
+        qc, kc, doc = q[:, :, c], k[:, :, c], do[:, :, c]
+        Agc, Tmc, Gc, eGc, tail = Ag[:, :, c], Tm[:, :, c], G[:, :, c], eG[:, :, c], k_tail[:, :, c]
+        v_new = Agc @ vres
+        dvn = P[:, :, c].transpose(-1, -2) @ doc + tail * (kc @ dS)
+        t = Agc.transpose(-1, -2) @ dvn
+        dv[:, :, c] = t
+
+        dAg = (dvn @ vres.transpose(-1, -2)) * lower_incl
+        dA = -(Tmc.transpose(-1, -2) @ (dAg * beta[:, :, c, None, :]) @ Tmc.transpose(-1, -2)).tril(-1)
+        X = beta[:, :, c, :, None] * dA * gam_strict[:, :, c]
+        Pm = scale * (doc @ v_new.transpose(-1, -2)) * gam_incl[:, :, c]
+        qk = qc @ kc.transpose(-1, -2)
+
+        q_term = scale * eGc * (doc @ S.transpose(-1, -2))  # scale E dO S^T
+        w_term = -eGc * (t @ S.transpose(-1, -2))  # -E t S^T
+        s_term = tail * (v_new @ dS.transpose(-1, -2))  # exp(GL - G) v_new dS'^T
+        dq[:, :, c] = q_term + Pm @ kc
+        dk[:, :, c] = w_term + s_term + Pm.transpose(-1, -2) @ qc + X @ kc + X.transpose(-1, -2) @ kc
+        dbeta[:, :, c] = (dA * kk[:, :, c] * gam_strict[:, :, c]).sum(-1) + (dAg * Tmc).sum(-2)
+
+        YP, YA = Pm * qk, X * kk[:, :, c]
+        dG = (YP.sum(-1) - YP.sum(-2) + YA.sum(-1) - YA.sum(-2) + (q_term * qc).sum(-1) + (w_term * kc).sum(-1)
+              - (s_term * kc).sum(-1))
+        dG[..., -1] += torch.exp(GL[:, :, c]) * (S * dS).sum((-1, -2)) + (s_term * kc).sum((-1, -2))
+        dg[:, :, c] = dG.flip(-1).cumsum(-1).flip(-1)
+
+        dS = torch.exp(GL[:, :, c])[..., None, None] * dS + (scale * eGc * qc).transpose(-1, -2) @ doc - (
+            eGc * kc).transpose(-1, -2) @ t
+    return dq, dk, dv, dg, dbeta, dS
+
+
+def _from_chunks(x: torch.Tensor, index: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[N, HV, NT, C, ...] -> [num_tokens, HV, ...]: the padded tokens dropped (`_to_chunks`' inverse)."""
+    N = x.shape[0]
+    padded = x.movedim(1, 3).reshape(N, -1, *x.shape[1:2], *x.shape[4:])
+    valid = index < num_tokens
+    return padded.new_zeros(num_tokens, *padded.shape[2:]).index_put((index[valid],), padded[valid])
+
+
+def chunk_gated_delta_rule_bwd_reference(q, k, v, g, beta, do, scale=None, initial_state=None, dht=None,
+                                         cu_seqlens=None, chunk_size: int = CHUNK_SIZE):
+    """(dq, dk, dv, dg, dbeta, dh0) of `chunk_gated_delta_rule_torch`'s (o, final state) for the
+    output gradient `do` [B, T, HV, V] and final-state gradient `dht` [N, HV, K, V] (or None),
+    by the hand-written chunk formulas of the module docstring. Computed in float64 for
+    float64 inputs, else fp32; gradients come back in the inputs' dtypes (dh0 fp32 / float64,
+    None without an initial state)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scale = K**-0.5 if scale is None else scale
+    dtype = compute_dtype(q, k, v)
+    bounds = sequence_bounds(B, T, cu_seqlens)
+    index, _ = padded_chunk_index(bounds, T, B * T, chunk_size, q.device)
+    chunks = [_to_chunks(x, index, chunk_size, dtype)
+              for x in (expand_qk_heads(q, HV), expand_qk_heads(k, HV), v, g, beta, do)]
+    N = len(bounds)
+    S0 = torch.zeros(N, HV, K, V, dtype=dtype, device=q.device) if initial_state is None else initial_state.to(dtype)
+    dS_last = torch.zeros_like(S0) if dht is None else dht.to(dtype)
+    dq, dk, dv, dg, dbeta, dh0 = _chunk_backward(*chunks[:5], scale, S0, chunks[5], dS_last)
+
+    def tokens(x, like):
+        return _from_chunks(x, index, B * T).reshape(B, T, *x.shape[1:2], *x.shape[4:]).to(like.dtype)
+
+    grp = HV // H
+    dq, dk = (tokens(x, q).unflatten(2, (H, grp)).sum(3) for x in (dq, dk))  # v-heads -> their qk-head
+    return dq, dk, tokens(dv, v), tokens(dg, g), tokens(dbeta, beta), (None if initial_state is None else dh0)
