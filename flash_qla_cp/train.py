@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-intra", default=None,
                    help="intra-card CP split inside each rank: off | auto | N partitions (CPContext.build(intra=); "
                         "with --cp 1 the op's intra_cp). Default: auto on CUDA (split inside the TileLang "
-                        "kernels when few heads leave SMs idle), off on CPU")
+                        "kernels for sequences of 16k tokens and more), off on CPU")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=1.0,
                    help="cosine decay to lr * ratio over --decay-steps (1.0: constant after warm-up)")

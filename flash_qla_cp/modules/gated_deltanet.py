@@ -85,7 +85,7 @@ class GatedDeltaNet(nn.Module):
         layer_idx: this layer's index (used by caches).
         backend: passed to `chunk_gated_delta_rule` ('auto', 'torch', 'tilelang').
         intra_cp: the op's intra-card split when no cp_context is given ('auto' by default:
-            split inside the TileLang kernels when few heads leave SMs idle; 'off'; or
+            long sequences split inside the TileLang kernels; 'off'; or
             partitions per sequence).
         proj_layout: 'qwen3_next' (grouped in_proj_qkvz / in_proj_ba) or 'qwen3_5' (separate
             in_proj_qkv / in_proj_z / in_proj_b / in_proj_a); the math is the same.
