@@ -49,6 +49,8 @@ def main():
     ap.add_argument("--fwd-block-v", default="", help="comma list of ws block_v tiles to time the forward at")
     ap.add_argument("--split-h-kernels", default="", help="comma list of h walks for the split backward")
     ap.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays of fwd and fwd+bwd")
+    ap.add_argument("--fused-walk", action="store_true",
+                    help="also time fwd+bwd with the fused dh + grad walk (fwdbwd_ms_fused; FUSED_WALK)")
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -96,6 +98,12 @@ def main():
                     row["fwdbwd_ms"] = triton.testing.do_bench(fwdbwd, rep=args.rep, return_mode="median")
                     if args.graphs:
                         row["fwdbwd_graph_ms"] = time_replay(fwdbwd, args.rep)
+                    if args.fused_walk:
+                        bwd_impl.FUSED_WALK = True
+                        try:
+                            row["fwdbwd_ms_fused"] = triton.testing.do_bench(fwdbwd, rep=args.rep, return_mode="median")
+                        finally:
+                            bwd_impl.FUSED_WALK = False
                     default_h = bwd_impl.SPLIT_H_KERNEL
                     for kind in filter(None, args.split_h_kernels.split(",")):
                         bwd_impl.SPLIT_H_KERNEL = kind

@@ -875,12 +875,21 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
                                                              dtype=torch.float32, device=dev)
             exit_grad = scan_partitions(split["M"].transpose(-1, -2), dh0, split["seq_parts"], seq_exit_grad,
                                         reverse=True)
-            k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, exit_grad, dh_st, dvn, dv, dh0)
+            if FUSED_WALK:
+                _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, True, True,
+                            scale, dq, dk, dv, dg, db, dh0)
+            else:
+                k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, exit_grad, dh_st, dvn, dv, dh0)
             dh0 = dh0.index_select(0, split["first_parts"]) if user_h0 else dh0
         else:
             k_h(kf, vf, ag, gcum, cu, chunk_offsets, h0, h_st, vres)
-            k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, dhtf, dh_st, dvn, dv, dh0)
-        k_grad(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq, dk, dg, db)
+            if FUSED_WALK:
+                _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, dhtf, use_dht, use_h0,
+                            scale, dq, dk, dv, dg, db, dh0)
+            else:
+                k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, dhtf, dh_st, dvn, dv, dh0)
+        if not FUSED_WALK:
+            k_grad(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq, dk, dg, db)
     else:
         for t in (dq, dk, dv, dg, db):
             t.zero_()
@@ -894,6 +903,27 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     db = db.to(beta.dtype).reshape(B, Tn, HV)
     dh0 = state_kv_layout(dh0, state_v_first) if user_h0 else None
     return dq, dk, dv, dg, db, dh0
+
+
+# (WIP, measurement pending) the dh walk and the grad kernel replaced by one fused reverse walk
+# per (sequence or partition, v-head) over the whole state (`tilelang_bwd_fused.py`).
+FUSED_WALK = False
+
+
+def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, use_dht, store_dh0, scale,
+                dq, dk, dv, dg, db, dh0):
+    """Run the fused walk; dq / dk (per qk-head) are the sums of its per-v-head parts."""
+    from .tilelang_bwd_fused import build_bwd_fused_walk_kernel
+
+    _, Ttot, H, K = qf.shape
+    HV = dof.shape[2]
+    kern = compile_kernel(build_bwd_fused_walk_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
+                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
+    dq_part = torch.empty(1, Ttot, HV, K, dtype=torch.float32, device=qf.device)
+    dk_part = torch.empty_like(dq_part)
+    kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, dq_part, dk_part, dv, dg, db, dh0)
+    dq.copy_(dq_part.view(1, Ttot, H, HV // H, K).sum(3))
+    dk.copy_(dk_part.view(1, Ttot, H, HV // H, K).sum(3))
 
 
 _ENTRY = {"build_bwd_h_kernel": "gdn_bwd_h", "build_bwd_dh_kernel": "gdn_bwd_dh", "build_bwd_dh_ws_kernel": "gdn_bwd_dh",
@@ -924,4 +954,11 @@ def lowering_cases():
                                  h_kernel="ws")
         for (f, p), entry in zip(specs[:2], ("gdn_bwd_h", "gdn_bwd_dh")):
             cases.append((f"{entry}_ws_k{dim}_bv{bv}{'' if states else '_nostate'}", f, p, entry))
+    # the fused walk (FUSED_WALK, WIP)
+    from .tilelang_bwd_fused import build_bwd_fused_walk_kernel
+
+    for dim, states in ((128, True), (64, False)):
+        cases.append((f"gdn_bwd_fused_k{dim}{'' if states else '_nostate'}", build_bwd_fused_walk_kernel,
+                      dict(H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, use_dht=states,
+                           store_dh0=states), "gdn_bwd_fused"))
     return cases

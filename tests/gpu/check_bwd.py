@@ -277,11 +277,14 @@ def main():
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which optional parts are skipped")
     ap.add_argument("--dh-kernel", default=None, choices=bwd.WALK_KERNELS, help="the dh walk the checks use")
     ap.add_argument("--h-kernel", default=None, choices=bwd.WALK_KERNELS, help="the h walk the checks use")
+    ap.add_argument("--fused-walk", action="store_true", help="dh walk + grad kernel as one fused walk (FUSED_WALK)")
     args = ap.parse_args()
     if args.dh_kernel:
         bwd.DEFAULT_DH_KERNEL = args.dh_kernel
     if args.h_kernel:
         bwd.DEFAULT_H_KERNEL = args.h_kernel
+    if args.fused_walk:
+        bwd.FUSED_WALK = True
     os.makedirs(args.out, exist_ok=True)
     start = time.time()
     cases = CASES[:3] if args.quick else CASES

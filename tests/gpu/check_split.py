@@ -105,6 +105,8 @@ def check_decay_tables():
 def main():
     assert tilelang_backward_enabled(), "unset FLASH_QLA_CP_TILELANG_BWD=0: this checks the TileLang backward"
     tilelang_bwd_impl.POISON_BUFFERS = True
+    if "--fused-walk" in sys.argv[1:]:  # dh walk + grad kernel as one fused walk (FUSED_WALK)
+        tilelang_bwd_impl.FUSED_WALK = True
     failed = not check_decay_tables()
     cases = [
         # name, lengths, dense, HV, H, D, intra, state_v_first, with_h0

@@ -10,7 +10,7 @@
 # CP_CHECKS the CP checks (intra, inter); CHECK_FWD_ARGS check_fwd.py's options (default "--quick");
 # VARIANTS tune_fwd.py's kernel variants; CHECK_BWD_ARGS check_bwd.py's options (default
 # "--quick --no-bench"; e.g. "--no-bench --h-kernel ws"); SEQ_LENS the long-sequence ladder
-# (with activation checkpointing).
+# (with activation checkpointing). CHECK_SPLIT_ARGS / TUNE_SPLIT_ARGS pass more options (e.g. --fused-walk).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 tar -xJf .device/site.tar.xz -C /tmp || exit 1
@@ -31,10 +31,10 @@ for phase in "$@"; do
                 ${VARIANTS:+--variants "$VARIANTS"} 2>&1 | grep -v TileLang | tail -12 | cut -c1-600 ;;
     check_bwd) timeout "${CHECK_TIMEOUT:-400}" python tests/gpu/check_bwd.py ${CHECK_BWD_ARGS:---quick --no-bench} \
                  --out "$OUT/check_bwd" 2>&1 | grep -v TileLang | tail -20 ;;
-    check_split) timeout "${CHECK_TIMEOUT:-400}" python tests/gpu/check_split.py 2>&1 | grep -v TileLang | tee "$OUT/check_split.log" | cut -c1-700 ;;
+    check_split) timeout "${CHECK_TIMEOUT:-400}" python tests/gpu/check_split.py ${CHECK_SPLIT_ARGS:-} 2>&1 | grep -v TileLang | tee "$OUT/check_split.log" | cut -c1-700 ;;
     tune_split) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/tune_split.py --out "$OUT/tune_split" \
                   ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} ${FWD_BV:+--fwd-block-v "$FWD_BV"} \
-                  ${SPLIT_H:+--split-h-kernels "$SPLIT_H"} ${GRAPHS:+--graphs} 2>&1 \
+                  ${SPLIT_H:+--split-h-kernels "$SPLIT_H"} ${GRAPHS:+--graphs} ${TUNE_SPLIT_ARGS:-} 2>&1 \
                   | grep '^{' | cut -c1-400 ;;
     profile) timeout 240 python benchmarks/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
                ${INTRA:+--intra "$INTRA"} 2>&1 | grep '^{' | cut -c1-1500 ;;
