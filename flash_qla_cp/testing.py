@@ -52,6 +52,16 @@ def random_cu_seqlens(lengths, device="cpu") -> torch.Tensor:
     return torch.tensor(edges, dtype=torch.int32, device=device)
 
 
+def chunk_local_cumsum(g: torch.Tensor, cu, chunk: int = 64) -> torch.Tensor:
+    """The prepare kernel's G: g [1, T, HV] summed inside each 64-token chunk of each sequence
+    of the host offsets `cu` (what the split's warm-up tables read)."""
+    out = torch.empty_like(g)
+    for a, b in zip(cu, cu[1:]):
+        for c in range(a, b, chunk):
+            out[:, c : min(c + chunk, b)] = g[:, c : min(c + chunk, b)].cumsum(1)
+    return out
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| in float64; NaN anywhere gives inf (never passes)."""
     a, e = actual.detach().double(), expected.detach().double()

@@ -14,7 +14,7 @@ from flash_qla_cp.kernels.tilelang_split import (
 )
 from flash_qla_cp.kernels.reference_chunked import chunk_gated_delta_rule_torch
 from flash_qla_cp.parallel.transition import segment_transitions
-from flash_qla_cp.testing import make_gdn_inputs
+from flash_qla_cp.testing import chunk_local_cumsum, make_gdn_inputs
 
 
 @pytest.mark.parametrize("cu", [[0, 5, 5, 200, 1000, 1001], [0, 64, 128], [0, 0], [0, 4096 * 3 + 17]])
@@ -73,15 +73,6 @@ def test_auto_plan_matches_auto_partitions():
     assert plan.seq_parts == [0, 4, 5] and plan.split_parts == [0, 1, 2, 3]
 
 
-def _chunk_local_cumsum(g, cu):
-    """The prepare kernel's G: cumulative sum of g inside each 64-token chunk of each sequence."""
-    out = torch.empty_like(g)
-    for a, b in zip(cu, cu[1:]):
-        for c in range(a, b, CHUNK):
-            out[:, c : min(c + CHUNK, b)] = g[:, c : min(c + CHUNK, b)].cumsum(1)
-    return out
-
-
 def _gates(T, rates, seed):
     gen = torch.Generator().manual_seed(seed)
     soft = torch.nn.functional.softplus(torch.randn(1, T, len(rates), generator=gen, dtype=torch.float64))
@@ -94,7 +85,7 @@ def test_warmup_starts_are_the_last_chunk_with_enough_decay():
     assert plan.num_parts == 7
     # slow (about -0.7 per chunk: several chunks of warm-up), fast, and g = 0 (never decays)
     g = _gates(cu[-1], [0.03, 1.0, 0.0], seed=0)
-    starts = warmup_starts(_chunk_local_cumsum(g, cu).float(), plan)
+    starts = warmup_starts(chunk_local_cumsum(g, cu).float(), plan)
     assert starts.shape == (plan.num_parts, 3) and starts.dtype == torch.int32
     for p in range(plan.num_parts):
         a, b = plan.part_cu[p], plan.part_cu[p + 1]
@@ -115,7 +106,7 @@ def test_dh_warmup_covers_the_first_chunks_until_enough_decay():
     cu = [0, 64 * 37 + 5, 64 * 37 + 5, 64 * 37 + 5 + 64 * 20]
     plan = plan_split(cu, HV=3, V=128, parts=3)
     g = _gates(cu[-1], [0.03, 1.0, 0.0], seed=1)
-    walk = dh_warmup_chunks(_chunk_local_cumsum(g, cu).float(), plan)
+    walk = dh_warmup_chunks(chunk_local_cumsum(g, cu).float(), plan)
     assert walk.shape == (plan.num_parts, 3) and walk.dtype == torch.int32
     for p in range(plan.num_parts):
         a, b = plan.part_cu[p], plan.part_cu[p + 1]
@@ -135,7 +126,7 @@ def test_warmup_walk_gives_the_partition_summary():
                         strong_decay_heads=0, zero_gate_heads=0, generator=torch.Generator().manual_seed(3))
     x["g"] = _gates(T, [0.004, 0.02], seed=4)  # warm-ups of a few to tens of chunks
     plan = plan_split([0, T], HV=HV, V=32, parts=2)
-    starts = warmup_starts(_chunk_local_cumsum(x["g"], [0, T]).float(), plan)
+    starts = warmup_starts(chunk_local_cumsum(x["g"], [0, T]).float(), plan)
     checked = 0
     for p in range(plan.num_parts):
         a, b = plan.part_cu[p], plan.part_cu[p + 1]
@@ -191,7 +182,7 @@ def test_dh_warmup_walk_gives_the_gradient_at_the_partition_start():
                         strong_decay_heads=0, zero_gate_heads=0, generator=torch.Generator().manual_seed(5))
     x["g"] = _gates(T, [0.004, 0.02], seed=6)
     plan = plan_split([0, T], HV=HV, V=32, parts=2)
-    walk = dh_warmup_chunks(_chunk_local_cumsum(x["g"], [0, T]).float(), plan)
+    walk = dh_warmup_chunks(chunk_local_cumsum(x["g"], [0, T]).float(), plan)
     do = torch.randn(1, T, HV, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     checked = 0
     for p in range(plan.num_parts):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference_chunked import CHUNK_SIZE, _decay_diff, _to_chunks, compute_dtype
+from .reference_chunked import CHUNK_SIZE, _decay_diff, _from_chunks, _to_chunks, compute_dtype
 from .shapes import expand_qk_heads, padded_chunk_index, sequence_bounds
 
 
@@ -94,14 +94,6 @@ def _chunk_backward(q, k, v, g, beta, scale, S0, do, dS_last):
         dS = torch.exp(GL[:, :, c])[..., None, None] * dS + (scale * eGc * qc).transpose(-1, -2) @ doc - (
             eGc * kc).transpose(-1, -2) @ t
     return dq, dk, dv, dg, dbeta, dS
-
-
-def _from_chunks(x: torch.Tensor, index: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[N, HV, NT, C, ...] -> [num_tokens, HV, ...]: the padded tokens dropped (`_to_chunks`' inverse)."""
-    N = x.shape[0]
-    padded = x.movedim(1, 3).reshape(N, -1, *x.shape[1:2], *x.shape[4:])
-    valid = index < num_tokens
-    return padded.new_zeros(num_tokens, *padded.shape[2:]).index_put((index[valid],), padded[valid])
 
 
 def chunk_gated_delta_rule_bwd_reference(q, k, v, g, beta, do, scale=None, initial_state=None, dht=None,

@@ -82,6 +82,14 @@ def _to_chunks(x: torch.Tensor, index: torch.Tensor, chunk_size: int, dtype: tor
     return gathered.movedim(3, 1)
 
 
+def _from_chunks(x: torch.Tensor, index: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[N, HV, NT, C, ...] -> [num_tokens, HV, ...]: the padded tokens dropped (`_to_chunks`' inverse)."""
+    N = x.shape[0]
+    padded = x.movedim(1, 3).reshape(N, -1, *x.shape[1:2], *x.shape[4:])
+    valid = index < num_tokens
+    return padded.new_zeros(num_tokens, *padded.shape[2:]).index_put((index[valid],), padded[valid])
+
+
 def chunk_gated_delta_rule_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -127,12 +135,7 @@ def chunk_gated_delta_rule_torch(
         S0 = S0.to(dtype)
     o_chunks, S, M = chunk_scan(qc, kc, vc, gc, bc, scale, S0, with_transition=return_transition)
 
-    # [N, HV, NT, C, V] -> [N, Tp, HV, V] -> scatter back to the flat token axis
-    N = len(bounds)
-    o_padded = o_chunks.movedim(1, 3).reshape(N, -1, HV, V)
-    valid = index < B * T
-    o_flat = o_padded.new_zeros(B * T, HV, V).index_put((index[valid],), o_padded[valid])
-    o = o_flat.reshape(B, T, HV, V).to(v.dtype)
+    o = _from_chunks(o_chunks, index, B * T).reshape(B, T, HV, V).to(v.dtype)
 
     final_state = None
     if output_final_state:

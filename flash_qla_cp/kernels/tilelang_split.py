@@ -110,7 +110,6 @@ class SplitPlan:
                 "seq_chunk_table": host_chunk_table(self.seq_cu, device),
                 "part_chunk_offsets": host_chunk_offsets(self.part_cu, device),
                 "seq_chunk_offsets": host_chunk_offsets(self.seq_cu, device),
-                **{name: t.to(device) for name, t in partition_chunk_ends(self.part_cu).items()},
             }
         return self._on_device[key]
 
@@ -149,7 +148,8 @@ def partition_chunk_ends(part_cu: list) -> dict:
     the token row ending it ('chunk_last_row') and the number of its partition's last chunk
     ('chunk_part_last') and first chunk ('chunk_part_first'); per partition its first and last
     chunk ('part_first', 'part_last'; 0 for an empty partition) and whether it has any
-    ('part_nonempty'). CPU tensors."""
+    ('part_nonempty'). CPU tensors; only the torch references below use them (the kernel
+    `build_decay_tables_kernel` needs part_cu alone), so plans do not build them."""
     rows, chunk_part_first, chunk_part_last, first, last, nonempty = [], [], [], [], [], []
     for a, b in zip(part_cu, part_cu[1:]):
         n = -(-(b - a) // CHUNK)
@@ -164,6 +164,10 @@ def partition_chunk_ends(part_cu: list) -> dict:
     return {"chunk_last_row": as_t(rows), "chunk_part_first": as_t(chunk_part_first),
             "chunk_part_last": as_t(chunk_part_last), "part_first": as_t(first), "part_last": as_t(last),
             "part_nonempty": torch.tensor(nonempty, dtype=torch.bool)}
+
+
+def _chunk_ends(plan: "SplitPlan", device) -> dict:
+    return {name: t.to(device) for name, t in partition_chunk_ends(plan.part_cu).items()}
 
 
 def _chunk_decays(g_cum: torch.Tensor, idx: dict):
@@ -197,7 +201,7 @@ def warmup_starts(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = WAR
     chunk's decay). Since g <= 0 the sums shrink towards the end, so the qualifying chunks are
     0 .. start and start = their count - 1. No atomics, no host sync.
     """
-    idx = plan.device_tensors(g_cum.device)
+    idx = _chunk_ends(plan, g_cum.device)
     if idx["chunk_last_row"].numel() == 0:
         return torch.full((plan.num_parts, g_cum.shape[-1]), -1, dtype=torch.int32, device=g_cum.device)
     decay, before = _chunk_decays(g_cum, idx)
@@ -217,7 +221,7 @@ def dh_warmup_chunks(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = 
     where that sum is below `threshold` (W = all chunks where it never gets there, 0 for an
     empty partition). With g <= 0 the qualifying chunks are a suffix, so W = chunks - count + 1.
     """
-    idx = plan.device_tensors(g_cum.device)
+    idx = _chunk_ends(plan, g_cum.device)
     if idx["chunk_last_row"].numel() == 0:
         return torch.zeros(plan.num_parts, g_cum.shape[-1], dtype=torch.int32, device=g_cum.device)
     decay, before = _chunk_decays(g_cum, idx)

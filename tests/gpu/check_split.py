@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from flash_qla_cp import chunk_gated_delta_rule  # noqa: E402
 from flash_qla_cp.kernels import tilelang_bwd_impl  # noqa: E402
 from flash_qla_cp.ops import tilelang_backward_enabled  # noqa: E402
-from flash_qla_cp.testing import make_gdn_inputs, random_cu_seqlens, rel_err  # noqa: E402
+from flash_qla_cp.testing import chunk_local_cumsum, make_gdn_inputs, random_cu_seqlens, rel_err  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
 LIMITS = {"o": 5e-3, "final": 5e-3}  # gradients: 1e-2
@@ -86,11 +86,7 @@ def check_decay_tables():
     gen = torch.Generator().manual_seed(11)
     rates = torch.tensor([0.003, 0.03, 1.0, 0.0] * (HV // 4), dtype=torch.float64)
     g = -rates * torch.nn.functional.softplus(torch.randn(1, cu[-1], HV, generator=gen, dtype=torch.float64))
-    gcum = torch.empty_like(g)  # what the prepare kernel saves: g summed inside each chunk
-    for a, b in zip(cu, cu[1:]):
-        for c in range(a, b, 64):
-            gcum[:, c : min(c + 64, b)] = g[:, c : min(c + 64, b)].cumsum(1)
-    gcum = gcum.float().cuda()
+    gcum = chunk_local_cumsum(g, cu).float().cuda()
     out = {}
     for parts in (3, 16):
         plan = plan_split(cu, HV=HV, V=128, parts=parts)
