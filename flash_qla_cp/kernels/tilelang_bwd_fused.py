@@ -5,13 +5,19 @@ state gradient dS [K, V] in fp32 registers, and per chunk forms dv, dq, dk, dg a
 tiles that stay on chip: the per-chunk formulas of `reference_backward.py` (its docstring),
 which are those of the three-kernel backward in `tilelang_bwd_impl.py`. dh, dvn and the
 64 x 64 intermediates never reach memory; the chunk states h and vres come from the h walk.
-dq and dk are written per v-head in fp32 (dq_part / dk_part [1, T, HV, K]) and summed over each
-qk-head's v-heads afterwards (`fused_walk_backward`).
+dq and dk are written per v-head (dq_part / dk_part [1, T, HV, K], dtype) and summed over each
+qk-head's v-heads afterwards (`_fused_walk` in tilelang_bwd_impl.py; with HV == H they are dq, dk).
+
+Loads: the next chunk of a walk is always whole (only a sequence's or partition's last chunk,
+walked first, can be partial), so one warp issues its tiles as TMA copies as soon as the last
+reader of each buffer is done (Ag and vres after X, h and dO after the first dk GEMM, q and k
+after the dS update), all on one mbarrier the block waits on at the next chunk's start. The
+walk's first chunk is loaded the same way when whole and element-wise when partial.
 
 Arguments: q, k [1,T,H,K]; do, vres [1,T,HV,V]; ag [1,T,HV,64] (dtype); gc, beta [1,T,HV]
 fp32; h [NC,HV,K,V] dtype (state entering each chunk); cu_seqlens, chunk_offsets [N+1] int32;
 dht [NT,HV,K,V] fp32 (gradient of each sequence's final state; read when use_dht); outputs
-dq_part, dk_part [1,T,HV,K] fp32, dv [1,T,HV,V] dtype, dg, db [1,T,HV] fp32 (dg already
+dq_part, dk_part [1,T,HV,K] dtype, dv [1,T,HV,V] dtype, dg, db [1,T,HV] fp32 (dg already
 reverse-cumsummed inside the chunk), dh0 [N0,HV,K,V] fp32 (written when store_dh0).
 
 Whole 64-row tiles are read with rows >= L clamped to the chunk's last row and then zeroed, so
@@ -64,8 +70,8 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
         cu_seqlens: T.Tensor((N1,), "int32"),
         chunk_offsets: T.Tensor((N1,), "int32"),
         dht: T.Tensor((NT, HV, K, V), acc),
-        dq_part: T.Tensor((1, Ttot, HV, K), acc),
-        dk_part: T.Tensor((1, Ttot, HV, K), acc),
+        dq_part: T.Tensor((1, Ttot, HV, K), dtype),
+        dk_part: T.Tensor((1, Ttot, HV, K), dtype),
         dv: T.Tensor((1, Ttot, HV, V), dtype),
         dg: T.Tensor((1, Ttot, HV), acc),
         db: T.Tensor((1, Ttot, HV), acc),
@@ -78,7 +84,7 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
             c_first = chunk_offsets[n]
             n_chunks = T.ceildiv(seq_len, C)
 
-            # inputs of one chunk (vr_s later holds scale exp(G) dO for the dS update)
+            # inputs of one chunk (TMA targets from the second chunk walked on)
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
             do_s = T.alloc_shared((C, V), dtype)
@@ -89,7 +95,7 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
             b_s = T.alloc_shared((C,), acc)
             # on-chip intermediates
             dh_s = T.alloc_shared((K, V), dtype)  # dS' (gradient of the state leaving the chunk)
-            dvn_s = T.alloc_shared((C, V), dtype)
+            dvn_s = T.alloc_shared((C, V), dtype)  # dvn, then scale exp(G) dO for the dS update
             te_s = T.alloc_shared((C, V), dtype)  # -exp(G) t
             vn_s = T.alloc_shared((C, V), dtype)  # v_new
             m1_s = T.alloc_shared((C, C), dtype)  # P, then dAg, then Pm
@@ -115,25 +121,48 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
             col_f = T.alloc_fragment((C,), acc)
             one_f = T.alloc_fragment((1,), acc)
             glast = T.alloc_var(acc)
+            tiles_ready = T.alloc_barrier(arrive_count=32)  # one warp's arrivals + the TMA bytes
+            parity = T.alloc_var("int32")
+            tx = T.get_thread_binding()
 
             if use_dht:
                 T.copy(dht[n, bhv, :, :], ds_f)
             else:
                 T.clear(ds_f)
+            parity = 0
+
+            # the walk's first chunk (the sequence's last): TMA when whole, element-wise when not
+            if n_chunks > 0:
+                t_first = s0 + (n_chunks - 1) * C
+                L_first = seq_len - (n_chunks - 1) * C
+                if L_first == C:
+                    if tx < 32:
+                        T.tma_copy(q[0, t_first : t_first + C, bh, :], q_s, barrier=tiles_ready)
+                        T.tma_copy(k[0, t_first : t_first + C, bh, :], k_s, barrier=tiles_ready)
+                        T.tma_copy(do[0, t_first : t_first + C, bhv, :], do_s, barrier=tiles_ready)
+                        T.tma_copy(vres[0, t_first : t_first + C, bhv, :], vr_s, barrier=tiles_ready)
+                        T.tma_copy(ag[0, t_first : t_first + C, bhv, :], a_s, barrier=tiles_ready)
+                        T.tma_copy(h[c_first + n_chunks - 1, bhv, :, :], h_s, barrier=tiles_ready)
+                        T.barrier_arrive(tiles_ready)
+                else:
+                    load_rows(q, q_s, t_first, L_first, bh, K)
+                    load_rows(k, k_s, t_first, L_first, bh, K)
+                    load_rows(do, do_s, t_first, L_first, bhv, V)
+                    load_rows(vres, vr_s, t_first, L_first, bhv, V)
+                    load_rows(ag, a_s, t_first, L_first, bhv, C)
+                    T.copy(h[c_first + n_chunks - 1, bhv, :, :], h_s)
 
             for cc in T.serial(n_chunks):
                 c = n_chunks - 1 - cc
                 t0 = s0 + c * C
                 L = T.min(seq_len - c * C, C)
                 cidx = c_first + c
+                tn = t0 - C  # the next chunk walked (whole), prefetched below when cc + 1 < n_chunks
 
-                T.sync_threads()  # the previous chunk's tiles are read by everyone
-                load_rows(q, q_s, t0, L, bh, K)
-                load_rows(k, k_s, t0, L, bh, K)
-                load_rows(do, do_s, t0, L, bhv, V)
-                load_rows(vres, vr_s, t0, L, bhv, V)
-                load_rows(ag, a_s, t0, L, bhv, C)
-                T.copy(h[cidx, bhv, :, :], h_s)
+                T.sync_threads()  # the previous chunk's g, beta and row sums are read by everyone
+                if L == C:
+                    T.barrier_wait(tiles_ready, parity)
+                    parity = 1 - parity
                 for i in T.Parallel(C):
                     g_s[i] = gc[0, t0 + T.min(i, L - 1), bhv]
                     b_s[i] = T.if_then_else(i < L, beta[0, t0 + T.min(i, L - 1), bhv], T.float32(0))
@@ -207,6 +236,14 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.copy(row_f, r_s[1, :])
                 T.copy(col_f, r_s[2, :])
 
+                # Ag and vres have had their last readers: the next chunk's start loading
+                if cc + 1 < n_chunks:
+                    T.sync_threads()
+                    if tx < 32:
+                        T.fence_proxy_async()
+                        T.tma_copy(ag[0, tn : tn + C, bhv, :], a_s, barrier=tiles_ready)
+                        T.tma_copy(vres[0, tn : tn + C, bhv, :], vr_s, barrier=tiles_ready)
+
                 # Pm = scale tril_incl(dO v_new^T o Gam) -> m1_s; Pm o q k^T feeds dG
                 T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
@@ -232,9 +269,20 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 for i, d in T.Parallel(C, K):
                     if i < L:
                         dq_part[0, t0 + i, bhv, d] = dq_f[i, d]
+                # scale exp(G) dO for the dS update, into dvn's tile (free since dAg): dO is done
+                for i, d in T.Parallel(C, V):
+                    cv_f[i, d] = T.cast(do_s[i, d], acc) * (T.exp2(g_s[i] * LOG2E) * scale)
+                T.copy(cv_f, dvn_s)
 
                 # dk = -E t S^T + diag(exp(GL - G)) v_new dS'^T + Pm^T q + X k + X^T k
                 T.gemm(te_s, h_s, dk_f, transpose_B=True, clear_accum=True)
+                # h and dO have had their last readers
+                if cc + 1 < n_chunks:
+                    T.sync_threads()
+                    if tx < 32:
+                        T.fence_proxy_async()
+                        T.tma_copy(h[cidx - 1, bhv, :, :], h_s, barrier=tiles_ready)
+                        T.tma_copy(do[0, tn : tn + C, bhv, :], do_s, barrier=tiles_ready)
                 for i, d in T.Parallel(C, K):
                     tmp_f[i, d] = dk_f[i, d] * k_s[i, d]
                 T.reduce_sum(tmp_f, row_f, dim=1)
@@ -271,14 +319,19 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                             b_s[i] != T.float32(0), (r_s[1, i] + r_s[0, i]) / b_s[i], T.float32(0)
                         )
 
-                # dS = exp(GL) dS' + q^T (scale E dO) - k^T (E t); vr_s is free by now
-                for i, d in T.Parallel(C, V):
-                    cv_f[i, d] = T.cast(do_s[i, d], acc) * (T.exp2(g_s[i] * LOG2E) * scale)
-                T.copy(cv_f, vr_s)
+                # dS = exp(GL) dS' + q^T (scale E dO) - k^T (E t)
                 for i, d in T.Parallel(K, V):
                     ds_f[i, d] = ds_f[i, d] * T.exp2(glast * LOG2E)
-                T.gemm(q_s, vr_s, ds_f, transpose_A=True)
+                T.gemm(q_s, dvn_s, ds_f, transpose_A=True)
                 T.gemm(k_s, te_s, ds_f, transpose_A=True)
+                # q and k have had their last readers: the next chunk's loads are all issued
+                if cc + 1 < n_chunks:
+                    T.sync_threads()
+                    if tx < 32:
+                        T.fence_proxy_async()
+                        T.tma_copy(q[0, tn : tn + C, bh, :], q_s, barrier=tiles_ready)
+                        T.tma_copy(k[0, tn : tn + C, bh, :], k_s, barrier=tiles_ready)
+                        T.barrier_arrive(tiles_ready)
 
             if store_dh0:
                 T.copy(ds_f, dh0[n, bhv, :, :])

@@ -912,18 +912,22 @@ FUSED_WALK = False
 
 def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, use_dht, store_dh0, scale,
                 dq, dk, dv, dg, db, dh0):
-    """Run the fused walk; dq / dk (per qk-head) are the sums of its per-v-head parts."""
+    """Run the fused walk; dq / dk (per qk-head) are the sums of its per-v-head parts, rounded to
+    the input dtype like the peer's (with HV == H the walk writes dq and dk themselves)."""
     from .tilelang_bwd_fused import build_bwd_fused_walk_kernel
 
     _, Ttot, H, K = qf.shape
     HV = dof.shape[2]
     kern = compile_kernel(build_bwd_fused_walk_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
                           scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
-    dq_part = torch.empty(1, Ttot, HV, K, dtype=torch.float32, device=qf.device)
+    if HV == H:
+        kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, dq, dk, dv, dg, db, dh0)
+        return
+    dq_part = torch.empty(1, Ttot, HV, K, dtype=qf.dtype, device=qf.device)
     dk_part = torch.empty_like(dq_part)
     kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, dq_part, dk_part, dv, dg, db, dh0)
-    dq.copy_(dq_part.view(1, Ttot, H, HV // H, K).sum(3))
-    dk.copy_(dk_part.view(1, Ttot, H, HV // H, K).sum(3))
+    torch.sum(dq_part.view(1, Ttot, H, HV // H, K), dim=3, out=dq)
+    torch.sum(dk_part.view(1, Ttot, H, HV // H, K), dim=3, out=dk)
 
 
 _ENTRY = {"build_bwd_h_kernel": "gdn_bwd_h", "build_bwd_dh_kernel": "gdn_bwd_dh", "build_bwd_dh_ws_kernel": "gdn_bwd_dh",
