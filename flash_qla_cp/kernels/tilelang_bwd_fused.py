@@ -1,4 +1,5 @@
-"""Fused backward walk (sm_90a, WIP): the dh walk and every per-chunk gradient in one kernel.
+"""Fused backward walk (sm_90a; off by default, FUSED_WALK): the dh walk and every per-chunk
+gradient in one kernel.
 
 One block per (sequence or partition, v-head) walks its chunks last to first with the whole
 state gradient dS [K, V] in fp32 registers, and per chunk forms dv, dq, dk, dg and dbeta from

@@ -905,8 +905,10 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     return dq, dk, dv, dg, db, dh0
 
 
-# (WIP, measurement pending) the dh walk and the grad kernel replaced by one fused reverse walk
-# per (sequence or partition, v-head) over the whole state (`tilelang_bwd_fused.py`).
+# The dh walk and the grad kernel replaced by one fused reverse walk per (sequence or partition,
+# v-head) over the whole state (`tilelang_bwd_fused.py`). Correct on the H200, but measured no
+# faster than the three kernels at TP1 (-4% .. +3%) and far slower where N x HV blocks leave SMs
+# idle (TP8), so off (benchmarks/NOTES.md, sixth session); the base for a warp-specialised walk.
 FUSED_WALK = False
 
 
@@ -958,7 +960,7 @@ def lowering_cases():
                                  h_kernel="ws")
         for (f, p), entry in zip(specs[:2], ("gdn_bwd_h", "gdn_bwd_dh")):
             cases.append((f"{entry}_ws_k{dim}_bv{bv}{'' if states else '_nostate'}", f, p, entry))
-    # the fused walk (FUSED_WALK, WIP)
+    # the fused walk (FUSED_WALK, off by default)
     from .tilelang_bwd_fused import build_bwd_fused_walk_kernel
 
     for dim, states in ((128, True), (64, False)):
