@@ -51,6 +51,8 @@ def main():
     ap.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays of fwd and fwd+bwd")
     ap.add_argument("--fused-walk", action="store_true",
                     help="also time fwd+bwd with the fused dh + grad walk (fwdbwd_ms_fused; FUSED_WALK)")
+    ap.add_argument("--fused-walk-threads", default="",
+                    help="with --fused-walk: also these block sizes of it, e.g. 512 (fwdbwd_ms_fused_t512)")
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -100,10 +102,16 @@ def main():
                         row["fwdbwd_graph_ms"] = time_replay(fwdbwd, args.rep)
                     if args.fused_walk:
                         bwd_impl.FUSED_WALK = True
+                        default_threads = bwd_impl.FUSED_WALK_THREADS
                         try:
                             row["fwdbwd_ms_fused"] = triton.testing.do_bench(fwdbwd, rep=args.rep, return_mode="median")
+                            for nt in filter(None, args.fused_walk_threads.split(",")):
+                                bwd_impl.FUSED_WALK_THREADS = int(nt)
+                                row[f"fwdbwd_ms_fused_t{nt}"] = triton.testing.do_bench(fwdbwd, rep=args.rep,
+                                                                                      return_mode="median")
                         finally:
                             bwd_impl.FUSED_WALK = False
+                            bwd_impl.FUSED_WALK_THREADS = default_threads
                     default_h = bwd_impl.SPLIT_H_KERNEL
                     for kind in filter(None, args.split_h_kernels.split(",")):
                         bwd_impl.SPLIT_H_KERNEL = kind

@@ -910,6 +910,9 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
 # faster than the three kernels at TP1 (-4% .. +3%) and far slower where N x HV blocks leave SMs
 # idle (TP8), so off (benchmarks/NOTES.md, sixth session); the base for a warp-specialised walk.
 FUSED_WALK = False
+# its block size: 512 threads (four warpgroups sharing each GEMM) lowers to 128 registers with
+# ~100 bytes of spills, against 255 registers at 256 threads; not yet timed
+FUSED_WALK_THREADS = 256
 
 
 def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, use_dht, store_dh0, scale,
@@ -921,7 +924,8 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_
     _, Ttot, H, K = qf.shape
     HV = dof.shape[2]
     kern = compile_kernel(build_bwd_fused_walk_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
-                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
+                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0),
+                          threads=FUSED_WALK_THREADS)
     if HV == H:
         kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, dq, dk, dv, dg, db, dh0)
         return

@@ -278,6 +278,7 @@ def main():
     ap.add_argument("--dh-kernel", default=None, choices=bwd.WALK_KERNELS, help="the dh walk the checks use")
     ap.add_argument("--h-kernel", default=None, choices=bwd.WALK_KERNELS, help="the h walk the checks use")
     ap.add_argument("--fused-walk", action="store_true", help="dh walk + grad kernel as one fused walk (FUSED_WALK)")
+    ap.add_argument("--fused-walk-threads", type=int, default=None, help="block size of the fused walk")
     args = ap.parse_args()
     if args.dh_kernel:
         bwd.DEFAULT_DH_KERNEL = args.dh_kernel
@@ -285,6 +286,8 @@ def main():
         bwd.DEFAULT_H_KERNEL = args.h_kernel
     if args.fused_walk:
         bwd.FUSED_WALK = True
+    if args.fused_walk_threads:
+        bwd.FUSED_WALK_THREADS = args.fused_walk_threads
     os.makedirs(args.out, exist_ok=True)
     start = time.time()
     cases = CASES[:3] if args.quick else CASES
