@@ -11,7 +11,7 @@
 # benchmark (GRAPHS=1 adds CUDA-graph replay timings, also to tune_split; BENCH_NAME names its output folder; SHAPES / PARTS / FWD_BV / SPLIT_H the split sweep);
 # CP_CHECKS the CP checks (intra, inter); CHECK_FWD_ARGS check_fwd.py's options (default "--quick");
 # VARIANTS tune_fwd.py's kernel variants; CHECK_BWD_ARGS check_bwd.py's options (default
-# "--quick --no-bench"; e.g. "--no-bench --h-kernel ws"); SEQ_LENS the long-sequence ladder
+# "--quick --no-bench"; e.g. "--no-bench --h-kernel ws"; CHECK_BWD_OUT its output folder); SEQ_LENS the long-sequence ladder
 # (with activation checkpointing). CHECK_SPLIT_ARGS / TUNE_SPLIT_ARGS pass more options (e.g. --fused-walk).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,7 +33,7 @@ for phase in "$@"; do
     tune_fwd) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/tune_fwd.py --out "$OUT/tune_fwd" ${SHAPES:+--shapes "$SHAPES"} \
                 ${VARIANTS:+--variants "$VARIANTS"} 2>&1 | grep -v TileLang | tail -12 | cut -c1-600 ;;
     check_bwd) timeout "${CHECK_TIMEOUT:-400}" python tests/gpu/check_bwd.py ${CHECK_BWD_ARGS:---quick --no-bench} \
-                 --out "$OUT/check_bwd" 2>&1 | grep -v TileLang | tail -20 ;;
+                 --out "$OUT/${CHECK_BWD_OUT:-check_bwd}" 2>&1 | grep -v TileLang | tail -20 ;;
     check_split) timeout "${CHECK_TIMEOUT:-400}" python tests/gpu/check_split.py ${CHECK_SPLIT_ARGS:-} 2>&1 | grep -v TileLang | tee "$OUT/check_split.log" | cut -c1-700 ;;
     tune_split) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/tune_split.py --out "$OUT/tune_split" \
                   ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} ${FWD_BV:+--fwd-block-v "$FWD_BV"} \
