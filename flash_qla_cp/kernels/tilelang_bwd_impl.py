@@ -845,8 +845,11 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
             block_v = 64
     specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht or split is not None, block_v, dh_kernel,
                              h_kernel)
-    k_h, k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs)
     fused_walk = FUSED_WALK and K <= 128 and V <= 128  # the walk keeps the whole state in registers
+    k_h = compile_kernel(specs[0][0], **specs[0][1])
+    k_dh = k_grad = None  # the fused walk replaces the full dh walk and the grad kernel
+    if not fused_walk:
+        k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs[1:])
 
     h_st = _empty(NC, *sdims, dtype=dt, device=dev)
     dh_st = _empty(NC, *sdims, dtype=dt, device=dev)
