@@ -846,6 +846,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht or split is not None, block_v, dh_kernel,
                              h_kernel)
     k_h, k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs)
+    fused_walk = FUSED_WALK and K <= 128 and V <= 128  # the walk keeps the whole state in registers
 
     h_st = _empty(NC, *sdims, dtype=dt, device=dev)
     dh_st = _empty(NC, *sdims, dtype=dt, device=dev)
@@ -875,7 +876,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
                                                              dtype=torch.float32, device=dev)
             exit_grad = scan_partitions(split["M"].transpose(-1, -2), dh0, split["seq_parts"], seq_exit_grad,
                                         reverse=True)
-            if FUSED_WALK:
+            if fused_walk:
                 _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, True, True,
                             scale, dq, dk, dv, dg, db, dh0)
             else:
@@ -883,12 +884,12 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
             dh0 = dh0.index_select(0, split["first_parts"]) if user_h0 else dh0
         else:
             k_h(kf, vf, ag, gcum, cu, chunk_offsets, h0, h_st, vres)
-            if FUSED_WALK:
+            if fused_walk:
                 _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, dhtf, use_dht, use_h0,
                             scale, dq, dk, dv, dg, db, dh0)
             else:
                 k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, dhtf, dh_st, dvn, dv, dh0)
-        if not FUSED_WALK:
+        if not fused_walk:
             k_grad(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq, dk, dg, db)
     else:
         for t in (dq, dk, dv, dg, db):
