@@ -169,6 +169,10 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                     b_s[i] = T.if_then_else(i < L, beta[0, t0 + T.min(i, L - 1), bhv], T.float32(0))
                 T.copy(ds_f, dh_s)
                 glast = g_s[C - 1]
+                # three independent products, one wait (q k^T and k k^T stay for the dG terms)
+                T.wgmma_gemm(q_s, k_s, qk_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+                T.gemm(k_s, dh_s, cv_f, clear_accum=True)
 
                 # exp(GL) <S, dS'> (S = h, the state entering the chunk), in row slices
                 T.clear(hd_f)
@@ -179,11 +183,9 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.reduce_sum(hrow_f, one_f, dim=0)
                 sc_s[0] = one_f[0] * T.exp2(glast * LOG2E)
 
-                # P = scale tril_incl(q k^T o Gam) -> m1_s; q k^T and k k^T stay for the dG terms.
+                # P = scale tril_incl(q k^T o Gam) -> m1_s.
                 # Gate, mask, store in loops of their own (the elementwise rule, tilelang_common);
                 # G falls along the chunk, so the clamp changes only masked entries.
-                T.gemm(q_s, k_s, qk_f, transpose_B=True, clear_accum=True)
-                T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     cc_f[i, j] = qk_f[i, j] * T.exp2(T.min(g_s[i] - g_s[j], T.float32(0)) * LOG2E) * scale
                 for i, j in T.Parallel(C, C):
@@ -191,7 +193,6 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.copy(cc_f, m1_s)
 
                 # dvn = P^T dO + diag(exp(GL - G)) k dS'  (rows >= L zero)
-                T.gemm(k_s, dh_s, cv_f, clear_accum=True)
                 for i, d in T.Parallel(C, V):
                     cv_f[i, d] = cv_f[i, d] * T.exp2((glast - g_s[i]) * LOG2E)
                 T.gemm(m1_s, do_s, cv_f, transpose_A=True)
@@ -208,12 +209,11 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                     cv_f[i, d] = -cv_f[i, d] * T.exp2(g_s[i] * LOG2E)
                 T.copy(cv_f, te_s)
 
-                # v_new = Ag vres
-                T.gemm(a_s, vr_s, cv_f, clear_accum=True)
-                T.copy(cv_f, vn_s)
-
-                # dAg = tril_incl(dvn vres^T); colsum(dAg o Ag) feeds dbeta
+                # v_new = Ag vres in flight with dAg = tril_incl(dvn vres^T); colsum(dAg o Ag)
+                # feeds dbeta
+                T.wgmma_gemm(a_s, vr_s, cv_f, clear_accum=True)
                 T.gemm(dvn_s, vr_s, cc_f, transpose_B=True, clear_accum=True)
+                T.copy(cv_f, vn_s)
                 for i, j in T.Parallel(C, C):
                     cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j], T.float32(0))
                 T.copy(cc_f, m1_s)
@@ -299,8 +299,8 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.copy(row_f, r_s[7, :])
                 T.reduce_sum(row_f, one_f, dim=0)
                 sc_s[1] = one_f[0]
-                T.gemm(m1_s, q_s, dk_f, transpose_A=True)
-                T.gemm(m2_s, k_s, dk_f)
+                T.wgmma_gemm(m1_s, q_s, dk_f, transpose_A=True)
+                T.wgmma_gemm(m2_s, k_s, dk_f)
                 T.gemm(m2_s, k_s, dk_f, transpose_A=True)
                 for i, d in T.Parallel(C, K):
                     if i < L:
@@ -323,7 +323,7 @@ def build_bwd_fused_walk_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 # dS = exp(GL) dS' + q^T (scale E dO) - k^T (E t)
                 for i, d in T.Parallel(K, V):
                     ds_f[i, d] = ds_f[i, d] * T.exp2(glast * LOG2E)
-                T.gemm(q_s, dvn_s, ds_f, transpose_A=True)
+                T.wgmma_gemm(q_s, dvn_s, ds_f, transpose_A=True)
                 T.gemm(k_s, te_s, ds_f, transpose_A=True)
                 # q and k have had their last readers: the next chunk's loads are all issued
                 if cc + 1 < n_chunks:
