@@ -51,6 +51,8 @@ def main():
     ap.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays of fwd and fwd+bwd")
     ap.add_argument("--fused-walk", action="store_true",
                     help="also time fwd+bwd with the fused dh + grad walk (fwdbwd_ms_fused; FUSED_WALK)")
+    ap.add_argument("--fused-walk-ws", action="store_true",
+                    help="also time fwd+bwd with the warp-specialised fused walk (fwdbwd_ms_fused_ws)")
     ap.add_argument("--fused-walk-threads", default="",
                     help="with --fused-walk: also these block sizes of it, e.g. 512 (fwdbwd_ms_fused_t512)")
     ap.add_argument("--rep", type=int, default=60)
@@ -112,6 +114,13 @@ def main():
                         finally:
                             bwd_impl.FUSED_WALK = False
                             bwd_impl.FUSED_WALK_THREADS = default_threads
+                    if args.fused_walk_ws:
+                        bwd_impl.FUSED_WALK, bwd_impl.FUSED_WALK_KERNEL = True, "ws"
+                        try:
+                            row["fwdbwd_ms_fused_ws"] = triton.testing.do_bench(fwdbwd, rep=args.rep,
+                                                                                return_mode="median")
+                        finally:
+                            bwd_impl.FUSED_WALK, bwd_impl.FUSED_WALK_KERNEL = False, "serial"
                     default_h = bwd_impl.SPLIT_H_KERNEL
                     for kind in filter(None, args.split_h_kernels.split(",")):
                         bwd_impl.SPLIT_H_KERNEL = kind

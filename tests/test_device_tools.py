@@ -27,3 +27,15 @@ def test_check_bwd_precompile_specs_build():
     for factory, params in specs[:4]:
         func = factory(**params)  # parses the kernel into a PrimFunc: a broken spec raises here
         assert len(func.params) >= 5, factory.__name__
+
+
+def test_fused_ws_precompile_specs_build():
+    pytest.importorskip("tilelang")
+    path = os.path.join(GPU_DIR, "precompile_specs_fused_ws.py")
+    spec = importlib.util.spec_from_file_location("specs_fused_ws", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    specs = module.specs(132)
+    assert {factory.__name__ for factory, _ in specs} == {"build_bwd_fused_ws_kernel"}
+    factory, params = specs[0]
+    assert len(factory(**params).params) == 17  # the fused walk's argument list

@@ -917,19 +917,27 @@ FUSED_WALK = False
 # its block size: 512 threads (four warpgroups sharing each GEMM) lowers to 128 registers with
 # ~100 bytes of spills, against 255 registers at 256 threads; not yet timed
 FUSED_WALK_THREADS = 256
+# which fused walk: "serial" (tilelang_bwd_fused.py, one block doing each step in turn) or "ws"
+# (tilelang_bwd_fused_ws.py: a state warpgroup, a grad warpgroup and a loader warp)
+FUSED_WALK_KERNEL = "serial"
 
 
 def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, use_dht, store_dh0, scale,
                 dq, dk, dv, dg, db, dh0):
     """Run the fused walk; dq / dk (per qk-head) are the sums of its per-v-head parts, rounded to
     the input dtype like the peer's (with HV == H the walk writes dq and dk themselves)."""
-    from .tilelang_bwd_fused import build_bwd_fused_walk_kernel
-
     _, Ttot, H, K = qf.shape
     HV = dof.shape[2]
-    kern = compile_kernel(build_bwd_fused_walk_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
-                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0),
-                          threads=FUSED_WALK_THREADS)
+    params = dict(H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype), scale=float(scale),
+                  use_dht=bool(use_dht), store_dh0=bool(store_dh0))
+    if FUSED_WALK_KERNEL == "ws":
+        from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
+
+        kern = compile_kernel(build_bwd_fused_ws_kernel, **params)
+    else:
+        from .tilelang_bwd_fused import build_bwd_fused_walk_kernel
+
+        kern = compile_kernel(build_bwd_fused_walk_kernel, **params, threads=FUSED_WALK_THREADS)
     if HV == H:
         kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, dq, dk, dv, dg, db, dh0)
         return
@@ -975,4 +983,9 @@ def lowering_cases():
         cases.append((f"gdn_bwd_fused_k{dim}{'' if states else '_nostate'}", build_bwd_fused_walk_kernel,
                       dict(H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, use_dht=states,
                            store_dh0=states), "gdn_bwd_fused"))
+    from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
+
+    cases.append(("gdn_bwd_fused_ws_k128", build_bwd_fused_ws_kernel,
+                  dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", scale=128**-0.5, use_dht=True, store_dh0=True),
+                  "gdn_bwd_fused_ws"))
     return cases

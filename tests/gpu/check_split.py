@@ -103,6 +103,8 @@ def main():
     tilelang_bwd_impl.POISON_BUFFERS = True
     if "--fused-walk" in sys.argv[1:]:  # dh walk + grad kernel as one fused walk (FUSED_WALK)
         tilelang_bwd_impl.FUSED_WALK = True
+    if "--fused-walk-ws" in sys.argv[1:]:  # its warp-specialised kernel
+        tilelang_bwd_impl.FUSED_WALK, tilelang_bwd_impl.FUSED_WALK_KERNEL = True, "ws"
     failed = not check_decay_tables()
     cases = [
         # name, lengths, dense, HV, H, D, intra, state_v_first, with_h0
