@@ -18,7 +18,9 @@ dS' (state -> grad), P (grad -> state), te and X (state -> grad; X's dG / dbeta 
 it in r_s). The first version gave the state warpgroup only its chain and sat idle ~70% of the
 time while grad did the rest (profile in benchmarks/NOTES_bwd.md, seventh session).
 
-Registers: 240 per consumer thread, 24 for the loader (setmaxnreg); shared memory ~222 KB.
+Registers (setmaxnreg): state 256, grad 224, loader 24; shared memory ~222 KB. Only the grad
+warpgroup may reduce across warps: TileLang's cross-warp reduction syncs on fixed named barriers
+(1 and 2), so two warpgroups reducing at once would meet at the same barrier.
 Only the walk's first chunk (a sequence's or partition's last) can be partial; the loader zeroes
 its rows >= L after the TMA copies land, so no product needs more masks than the causal ones.
 """
@@ -40,7 +42,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
     assert HV % H == 0 and K % 32 == 0 and V % 16 == 0 and K <= 128 and V <= 128
     WG = 128
     # registers per thread (setmaxnreg; 128 x (state + grad + loader) <= 64K)
-    STATE_REGS, GRAD_REGS, LOADER_REGS = 240, 240, 24
+    STATE_REGS, GRAD_REGS, LOADER_REGS = 256, 224, 24
     RS = 16  # rows per slice of the <S, dS'> reduction
 
     Ttot = T.dynamic("num_tokens")
@@ -115,7 +117,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             sa_f = T.alloc_fragment((C, C), acc)
             sx_f = T.alloc_fragment((C, C), acc)
             srow_f = T.alloc_fragment((C,), acc)
-            scol_f = T.alloc_fragment((C,), acc)
             glast_s = T.alloc_var(acc)
             # grad warpgroup
             qk_f = T.alloc_fragment((C, C), acc)
@@ -194,38 +195,55 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.copy(cv_f, te_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(te_ready)
-                    # dAg = tril_incl(dvn vres^T); colsum(dAg o Ag) feeds dbeta
+                    # Column sums here are row sums of the transposed products: a row sum is a
+                    # shuffle inside each warp, while a column sum crosses warps through TileLang's
+                    # named barrier 1, which the grad warpgroup's reductions use at the same time
+                    # (v2 did that: dg came out non-deterministic).
+                    # dAg = tril_incl(dvn vres^T) -> da_s
                     T.gemm(dvn_s, vr_s, sa_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
                         sa_f[i, j] = T.if_then_else(i >= j, sa_f[i, j], T.float32(0))
                     T.copy(sa_f, da_s)
                     T.fence_proxy_async()
+                    # colsum(dAg o Ag) (feeds dbeta) = rowsum(dAg^T o Ag^T), dAg^T = vres dvn^T
+                    T.gemm(vr_s, dvn_s, sx_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
-                        sx_f[i, j] = sa_f[i, j] * a_s[i, j]
-                    T.reduce_sum(sx_f, scol_f, dim=0)
-                    T.copy(scol_f, r_s[0, :])
-                    # X = -(Ag^T dAg Ag^T) o Gam, strictly lower (= diag(beta) dA o Gam)
+                        sx_f[i, j] = sx_f[i, j] * a_s[j, i]
+                    for i, j in T.Parallel(C, C):
+                        sx_f[i, j] = T.if_then_else(j >= i, sx_f[i, j], T.float32(0))
+                    T.reduce_sum(sx_f, srow_f, dim=1)
+                    T.copy(srow_f, r_s[0, :])
+                    # M = dAg Ag^T -> da_s; X = -(Ag^T M) o Gam, strictly lower (= diag(beta) dA o Gam)
                     T.gemm(da_s, a_s, sa_f, transpose_B=True, clear_accum=True)
                     T.copy(sa_f, da_s)
                     T.fence_proxy_async()
                     T.gemm(a_s, da_s, sx_f, transpose_A=True, clear_accum=True)
-                    T.barrier_arrive(free_a)
                     for i, j in T.Parallel(C, C):
                         sx_f[i, j] = -sx_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E)
                     for i, j in T.Parallel(C, C):
                         sx_f[i, j] = T.if_then_else(i > j, sx_f[i, j], T.float32(0))
-                    # X o k k^T: row and column sums feed dG and dbeta
+                    # rowsum(X o k k^T) feeds dG and dbeta
                     T.gemm(k_s, k_s, sa_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
                         sa_f[i, j] = sx_f[i, j] * sa_f[i, j]
                     T.reduce_sum(sa_f, srow_f, dim=1)
-                    T.reduce_sum(sa_f, scol_f, dim=0)
                     T.copy(srow_f, r_s[1, :])
-                    T.copy(scol_f, r_s[2, :])
                     T.barrier_wait(x_free, (cc + 1) % 2)
                     T.copy(sx_f, x_s)
                     T.fence_proxy_async()
-                    T.barrier_arrive(x_ready)
+                    # colsum(X o k k^T) = rowsum(X^T o k k^T), X^T = -(M^T Ag) o Gam^T, strictly upper
+                    T.gemm(da_s, a_s, sx_f, transpose_A=True, clear_accum=True)
+                    T.barrier_arrive(free_a)
+                    for i, j in T.Parallel(C, C):
+                        sx_f[i, j] = -sx_f[i, j] * T.exp2(T.min(g_s[s, j] - g_s[s, i], T.float32(0)) * LOG2E)
+                    for i, j in T.Parallel(C, C):
+                        sx_f[i, j] = T.if_then_else(j > i, sx_f[i, j], T.float32(0))
+                    T.gemm(k_s, k_s, sa_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        sa_f[i, j] = sx_f[i, j] * sa_f[i, j]
+                    T.reduce_sum(sa_f, srow_f, dim=1)
+                    T.copy(srow_f, r_s[2, :])
+                    T.barrier_arrive(x_ready)  # X and the sums 0-2 of r_s
                     # scale exp(G) dO into dvn's tile for the update
                     for i, d in T.Parallel(C, V):
                         cv_f[i, d] = T.cast(do_s[i, d], acc) * (T.exp2(g_s[s, i] * LOG2E) * scale)

@@ -7,7 +7,7 @@
 #   kernels new to the device can be compiled into that archive beforehand on a CPU machine:
 #   python tests/gpu/precompile_cache.py SPEC_FILE (e.g. tests/gpu/precompile_specs_check_bwd.py)
 #
-# Phases: check_fwd check_bwd check_split check_cp bench tune_fwd trace_fwd tune_split profile long_seq. SHAPES / LIBS narrow the
+# Phases: check_fwd check_bwd check_walk check_split check_cp bench tune_fwd trace_fwd tune_split profile long_seq. SHAPES / LIBS narrow the
 # benchmark (GRAPHS=1 adds CUDA-graph replay timings, also to tune_split; BENCH_NAME names its output folder; SHAPES / PARTS / FWD_BV / SPLIT_H the split sweep);
 # CP_CHECKS the CP checks (intra, inter); CHECK_FWD_ARGS check_fwd.py's options (default "--quick");
 # VARIANTS tune_fwd.py's kernel variants; CHECK_BWD_ARGS check_bwd.py's options (default
@@ -34,6 +34,7 @@ for phase in "$@"; do
                 ${VARIANTS:+--variants "$VARIANTS"} 2>&1 | grep -v TileLang | tail -12 | cut -c1-600 ;;
     check_bwd) timeout "${CHECK_TIMEOUT:-400}" python tests/gpu/check_bwd.py ${CHECK_BWD_ARGS:---quick --no-bench} \
                  --out "$OUT/${CHECK_BWD_OUT:-check_bwd}" 2>&1 | grep -v TileLang | tail -20 ;;
+    check_walk) timeout "${CHECK_TIMEOUT:-300}" python tests/gpu/check_walk_determinism.py 2>&1 | grep -v TileLang | tail -5 ;;
     check_split) timeout "${CHECK_TIMEOUT:-400}" python tests/gpu/check_split.py ${CHECK_SPLIT_ARGS:-} 2>&1 | grep -v TileLang | tee "$OUT/check_split.log" | cut -c1-700 ;;
     tune_split) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/tune_split.py --out "$OUT/tune_split" \
                   ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} ${FWD_BV:+--fwd-block-v "$FWD_BV"} \
