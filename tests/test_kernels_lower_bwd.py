@@ -6,7 +6,9 @@ FLASH_QLA_CP_LOWER_ALL=1 to lower the whole matrix (both dtypes x both head size
 MHA / no-state variant). Skipped when tilelang is not importable.
 """
 
+import functools
 import os
+import re
 
 import pytest
 
@@ -30,10 +32,28 @@ def test_cases_cover_every_kernel():
     assert any("float16_k64" in c[0] for c in CASES) and any("bfloat16_k128" in c[0] for c in CASES)
 
 
+@functools.lru_cache(maxsize=None)
+def lowered(name):
+    _, factory, params, _ = next(c for c in CASES if c[0] == name)
+    return lower_to_cuda_source(factory(**params), arch="sm_90a")
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_lower_bwd_kernel(case):
     name, factory, params, entry = case
-    src = lower_to_cuda_source(factory(**params), arch="sm_90a")
+    src = lowered(name)
     assert "__global__" in src and entry in src, f"{name}: entry {entry!r} missing"
     assert "wgmma" in src, f"{name}: no wgmma in the generated source"
     assert "atomic" not in src.lower(), f"{name}: atomics would break determinism"
+
+
+def test_fused_ws_walk_reduces_across_warps_only_in_grad_warpgroup():
+    """TileLang's cross-warp reductions (over 64 threads or more) sync on fixed named barriers
+    (bar.sync 1 / 2): if both consumer warpgroups of the ws walk ran one, a barrier could
+    complete with warps of both (the v2 race: non-deterministic dg). Only the grad warpgroup,
+    threads 128-255, may."""
+    src = lowered("gdn_bwd_fused_ws_k128")
+    reduces = re.findall(r"AllReduce<tl::SumOp, (\d+), (\d+), (\d+), tl::NamedBarrier", src)
+    assert reduces, "no reductions found: the pattern no longer matches the lowered source"
+    cross_warp = [(int(t), int(off)) for t, _, off in reduces if int(t) >= 64]
+    assert cross_warp and all(off == 128 for _, off in cross_warp), cross_warp
