@@ -16,7 +16,6 @@ import json
 import os
 import pstats
 import sys
-import time
 
 import torch
 
@@ -24,17 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_kernels import build_fns, shape_inputs  # noqa: E402
-
-
-def host_ms(fn, iters):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    ms = (time.perf_counter() - t0) / iters * 1e3
-    torch.cuda.synchronize()
-    return round(ms, 4)
+from profile_kernels import host_ms  # noqa: E402
 
 
 def profile_top(fn, iters, sort, n=25):
@@ -73,7 +62,7 @@ def main():
             for name, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
                 entry = {"shape": sname, "lib": lib, "pass": name,
                          "wall_ms": round(triton.testing.do_bench(fn, return_mode="median"), 4),
-                         "host_ms": host_ms(fn, args.iters)}
+                         "host_ms": round(host_ms(fn, args.iters), 4)}
                 if lib == "ours":
                     entry["tottime"] = profile_top(fn, args.iters, "tottime")
                     entry["cumtime"] = profile_top(fn, args.iters, "cumulative")

@@ -47,17 +47,23 @@ def kernel_times(fn, iters):
 WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
-def host_times(fn, iters):
-    """(wall ms per call, host ms per call, waiting runtime calls per call, top host ops)."""
-    import triton.testing
-
-    wall = triton.testing.do_bench(fn, return_mode="median")
+def host_ms(fn, iters):
+    """Host ms per call of `fn` (already warm), its calls issued back to back without waiting."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):  # ~40 launches a call: well inside the launch queue
         fn()
     host = (time.perf_counter() - t0) / iters * 1e3
     torch.cuda.synchronize()
+    return host
+
+
+def host_times(fn, iters):
+    """(wall ms per call, host ms per call, waiting runtime calls per call, top host ops)."""
+    import triton.testing
+
+    wall = triton.testing.do_bench(fn, return_mode="median")
+    host = host_ms(fn, iters)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     waits = Counter(ev.name for ev in prof.events() if ev.name in WAITING_CALLS)

@@ -99,36 +99,24 @@ def main():
                             t.grad = None
                         o.backward(do)
 
-                    row["fwdbwd_ms"] = triton.testing.do_bench(fwdbwd, rep=args.rep, return_mode="median")
+                    def bench(fn):
+                        return triton.testing.do_bench(fn, rep=args.rep, return_mode="median")
+
+                    row["fwdbwd_ms"] = bench(fwdbwd)
                     if args.graphs:
                         row["fwdbwd_graph_ms"] = time_replay(fwdbwd, args.rep)
                     if args.fused_walk:
-                        bwd_impl.FUSED_WALK = True
-                        default_threads = bwd_impl.FUSED_WALK_THREADS
-                        try:
-                            row["fwdbwd_ms_fused"] = triton.testing.do_bench(fwdbwd, rep=args.rep, return_mode="median")
-                            for nt in filter(None, args.fused_walk_threads.split(",")):
-                                bwd_impl.FUSED_WALK_THREADS = int(nt)
-                                row[f"fwdbwd_ms_fused_t{nt}"] = triton.testing.do_bench(fwdbwd, rep=args.rep,
-                                                                                      return_mode="median")
-                        finally:
-                            bwd_impl.FUSED_WALK = False
-                            bwd_impl.FUSED_WALK_THREADS = default_threads
+                        with bwd_impl.switches(FUSED_WALK=True):
+                            row["fwdbwd_ms_fused"] = bench(fwdbwd)
+                        for nt in filter(None, args.fused_walk_threads.split(",")):
+                            with bwd_impl.switches(FUSED_WALK=True, FUSED_WALK_THREADS=int(nt)):
+                                row[f"fwdbwd_ms_fused_t{nt}"] = bench(fwdbwd)
                     if args.fused_walk_ws:
-                        bwd_impl.FUSED_WALK, bwd_impl.FUSED_WALK_KERNEL = True, "ws"
-                        try:
-                            row["fwdbwd_ms_fused_ws"] = triton.testing.do_bench(fwdbwd, rep=args.rep,
-                                                                                return_mode="median")
-                        finally:
-                            bwd_impl.FUSED_WALK, bwd_impl.FUSED_WALK_KERNEL = False, "serial"
-                    default_h = bwd_impl.SPLIT_H_KERNEL
+                        with bwd_impl.switches(FUSED_WALK=True, FUSED_WALK_KERNEL="ws"):
+                            row["fwdbwd_ms_fused_ws"] = bench(fwdbwd)
                     for kind in filter(None, args.split_h_kernels.split(",")):
-                        bwd_impl.SPLIT_H_KERNEL = kind
-                        try:
-                            row[f"fwdbwd_ms_h{kind}"] = triton.testing.do_bench(fwdbwd, rep=args.rep,
-                                                                                 return_mode="median")
-                        finally:
-                            bwd_impl.SPLIT_H_KERNEL = default_h
+                        with bwd_impl.switches(SPLIT_H_KERNEL=kind):
+                            row[f"fwdbwd_ms_h{kind}"] = bench(fwdbwd)
             except Exception as exc:  # noqa: BLE001
                 row["error"] = repr(exc)[:400]
             rows.append(row)

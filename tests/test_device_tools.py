@@ -16,12 +16,17 @@ def test_device_session_script_parses():
     subprocess.run(["bash", "-n", os.path.join(GPU_DIR, "device_session.sh")], check=True)
 
 
-def test_check_bwd_precompile_specs_build():
+def load_specs(filename):
+    """specs(132) of a precompile spec file in tests/gpu (H200: 132 SMs)."""
     pytest.importorskip("tilelang")
-    spec = importlib.util.spec_from_file_location("specs_check_bwd", os.path.join(GPU_DIR, "precompile_specs_check_bwd.py"))
+    spec = importlib.util.spec_from_file_location(filename[:-3], os.path.join(GPU_DIR, filename))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    specs = module.specs(132)
+    return module.specs(132)
+
+
+def test_check_bwd_precompile_specs_build():
+    specs = load_specs("precompile_specs_check_bwd.py")
     factories = {factory.__name__ for factory, _ in specs}
     assert {"build_bwd_grad_group_kernel", "build_prepare_kernel"} <= factories
     for factory, params in specs[:4]:
@@ -30,12 +35,7 @@ def test_check_bwd_precompile_specs_build():
 
 
 def test_fused_ws_precompile_specs_build():
-    pytest.importorskip("tilelang")
-    path = os.path.join(GPU_DIR, "precompile_specs_fused_ws.py")
-    spec = importlib.util.spec_from_file_location("specs_fused_ws", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    specs = module.specs(132)
+    specs = load_specs("precompile_specs_fused_ws.py")
     assert {factory.__name__ for factory, _ in specs} == {"build_bwd_fused_ws_kernel"}
     factory, params = specs[0]
     assert len(factory(**params).params) == 17  # the fused walk's argument list

@@ -52,6 +52,16 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
     N0 = T.dynamic("n_dh0")
 
     @T.macro
+    def rowsum_times_kk(x, work, row, k_s, r_s, slot):
+        # r_s[slot] = rowsum(x o k k^T), k k^T formed in `work` (both [C, C] fp32 fragments);
+        # inside a warp only (see the state warpgroup's note on reductions)
+        T.gemm(k_s, k_s, work, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            work[i, j] = x[i, j] * work[i, j]
+        T.reduce_sum(work, row, dim=1)
+        T.copy(row, r_s[slot, :])
+
+    @T.macro
     def zero_rows(dst, L, width):
         for i, d in T.Parallel(C, width):
             if i >= L:
@@ -223,11 +233,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     for i, j in T.Parallel(C, C):
                         sx_f[i, j] = T.if_then_else(i > j, sx_f[i, j], T.float32(0))
                     # rowsum(X o k k^T) feeds dG and dbeta
-                    T.gemm(k_s, k_s, sa_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        sa_f[i, j] = sx_f[i, j] * sa_f[i, j]
-                    T.reduce_sum(sa_f, srow_f, dim=1)
-                    T.copy(srow_f, r_s[1, :])
+                    rowsum_times_kk(sx_f, sa_f, srow_f, k_s, r_s, 1)
                     T.barrier_wait(x_free, (cc + 1) % 2)
                     T.copy(sx_f, x_s)
                     T.fence_proxy_async()
@@ -238,11 +244,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         sx_f[i, j] = -sx_f[i, j] * T.exp2(T.min(g_s[s, j] - g_s[s, i], T.float32(0)) * LOG2E)
                     for i, j in T.Parallel(C, C):
                         sx_f[i, j] = T.if_then_else(j > i, sx_f[i, j], T.float32(0))
-                    T.gemm(k_s, k_s, sa_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        sa_f[i, j] = sx_f[i, j] * sa_f[i, j]
-                    T.reduce_sum(sa_f, srow_f, dim=1)
-                    T.copy(srow_f, r_s[2, :])
+                    rowsum_times_kk(sx_f, sa_f, srow_f, k_s, r_s, 2)
                     T.barrier_arrive(x_ready)  # X and the sums 0-2 of r_s
                     # scale exp(G) dO into dvn's tile for the update
                     for i, d in T.Parallel(C, V):

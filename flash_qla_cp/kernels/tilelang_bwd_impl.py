@@ -51,6 +51,8 @@ No atomics anywhere: the result is bitwise deterministic.
 
 
 
+import contextlib
+
 import torch
 
 from .tilelang_common import (CHUNK, chunk_table, compile_kernel, import_tilelang, kernel_operand, state_kv_layout,
@@ -920,6 +922,19 @@ FUSED_WALK_THREADS = 256
 # which fused walk: "serial" (tilelang_bwd_fused.py, one block doing each step in turn) or "ws"
 # (tilelang_bwd_fused_ws.py: a state warpgroup, a grad warpgroup and a loader warp)
 FUSED_WALK_KERNEL = "serial"
+
+
+@contextlib.contextmanager
+def switches(**values):
+    """Set this module's kernel switches (FUSED_WALK, FUSED_WALK_KERNEL, SPLIT_H_KERNEL, ...) for
+    the duration of a `with` block, then restore them: checks and benchmarks compare variants in
+    one process. A misspelt switch raises KeyError."""
+    old = {name: globals()[name] for name in values}
+    globals().update(values)
+    try:
+        yield
+    finally:
+        globals().update(old)
 
 
 def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, use_dht, store_dh0, scale,

@@ -25,10 +25,10 @@ def rel(a, b):
 
 def main():
     case = make_case([16384, 1000, 3001], False, 4, 2, 128, seed=0)
-    bwd.FUSED_WALK, bwd.FUSED_WALK_KERNEL = False, "serial"
-    three = run(case, torch.bfloat16, "tilelang", 8)
-    bwd.FUSED_WALK, bwd.FUSED_WALK_KERNEL = True, "ws"
-    runs = [run(case, torch.bfloat16, "tilelang", 8) for _ in range(3)]
+    with bwd.switches(FUSED_WALK=False):
+        three = run(case, torch.bfloat16, "tilelang", 8)
+    with bwd.switches(FUSED_WALK=True, FUSED_WALK_KERNEL="ws"):
+        runs = [run(case, torch.bfloat16, "tilelang", 8) for _ in range(3)]
     same = all(torch.equal(r[k], runs[0][k]) for r in runs[1:] for k in runs[0])
     diff = {k: round(rel(runs[0][k], three[k]), 6) for k in three}
     nan = [k for k in runs[0] if not torch.isfinite(runs[0][k]).all()]
