@@ -50,11 +50,8 @@ def main():
     ap.add_argument("--split-h-kernels", default="", help="comma list of h walks for the split backward")
     ap.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays of fwd and fwd+bwd")
     ap.add_argument("--fused-walk", action="store_true",
-                    help="also time fwd+bwd with the fused dh + grad walk (fwdbwd_ms_fused; FUSED_WALK)")
-    ap.add_argument("--fused-walk-ws", action="store_true",
-                    help="also time fwd+bwd with the warp-specialised fused walk (fwdbwd_ms_fused_ws)")
-    ap.add_argument("--fused-walk-threads", default="",
-                    help="with --fused-walk: also these block sizes of it, e.g. 512 (fwdbwd_ms_fused_t512)")
+                    help="also time fwd+bwd with the fused dh + grad walk always on and always off "
+                         "(fwdbwd_ms_walk_on / _off; fwdbwd_ms is FUSED_WALK's default, auto)")
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -105,15 +102,9 @@ def main():
                     row["fwdbwd_ms"] = bench(fwdbwd)
                     if args.graphs:
                         row["fwdbwd_graph_ms"] = time_replay(fwdbwd, args.rep)
-                    if args.fused_walk:
-                        with bwd_impl.switches(FUSED_WALK=True):
-                            row["fwdbwd_ms_fused"] = bench(fwdbwd)
-                        for nt in filter(None, args.fused_walk_threads.split(",")):
-                            with bwd_impl.switches(FUSED_WALK=True, FUSED_WALK_THREADS=int(nt)):
-                                row[f"fwdbwd_ms_fused_t{nt}"] = bench(fwdbwd)
-                    if args.fused_walk_ws:
-                        with bwd_impl.switches(FUSED_WALK=True, FUSED_WALK_KERNEL="ws"):
-                            row["fwdbwd_ms_fused_ws"] = bench(fwdbwd)
+                    for mode in ("on", "off") if args.fused_walk else ():
+                        with bwd_impl.switches(FUSED_WALK=mode):
+                            row[f"fwdbwd_ms_walk_{mode}"] = bench(fwdbwd)
                     for kind in filter(None, args.split_h_kernels.split(",")):
                         with bwd_impl.switches(SPLIT_H_KERNEL=kind):
                             row[f"fwdbwd_ms_h{kind}"] = bench(fwdbwd)

@@ -33,3 +33,26 @@ def test_backward_walk_choice():
     assert h[0] is build_bwd_h_kernel and dh[0] is build_bwd_dh_kernel
     with pytest.raises(ValueError, match="dh_kernel"):
         bwd_kernel_specs(2, 4, 128, 128, "bfloat16", 0.1, True, True, dh_kernel="fast")
+
+
+@pytest.mark.parametrize("n_walks,K,sms,mode,want", [
+    (128, 128, 132, "auto", True),    # TP1 1x32k: 4 partitions x 32 v-heads about fill an H200
+    (256, 128, 132, "auto", True),    # 8 documents x 32 v-heads
+    (64, 128, 132, "auto", False),    # TP8 1x128k: 16 partitions x 4 v-heads leave half the SMs idle
+    (16, 128, 132, "on", True),
+    (256, 128, 132, "off", False),
+    (256, 256, 132, "on", False),     # K = 256: dS would not fit in one warpgroup's registers
+])
+def test_fused_walk_choice(n_walks, K, sms, mode, want):
+    from flash_qla_cp.kernels.tilelang_bwd_impl import fused_walk_wanted, switches
+
+    assert fused_walk_wanted(n_walks, K, K, sms, mode) is want
+    with switches(FUSED_WALK=mode):  # the module switch is what the backward reads
+        assert fused_walk_wanted(n_walks, K, K, sms) is want
+
+
+def test_fused_walk_rejects_unknown_mode():
+    from flash_qla_cp.kernels.tilelang_bwd_impl import fused_walk_wanted
+
+    with pytest.raises(ValueError, match="FUSED_WALK"):
+        fused_walk_wanted(128, 128, 128, 132, mode=True)

@@ -1,8 +1,11 @@
-"""Warp-specialised fused backward walk (sm_90a; FUSED_WALK with FUSED_WALK_KERNEL = "ws").
+"""Fused backward walk (sm_90a; `FUSED_WALK` in tilelang_bwd_impl.py): the dh walk and every
+per-chunk gradient in one warp-specialised kernel.
 
-Same arguments, outputs and per-chunk formulas as `tilelang_bwd_fused.build_bwd_fused_walk_kernel`
-(its docstring; the math is `reference_backward.py`'s), with the work of a chunk shared by
-three warpgroups instead of run by one block in sequence:
+One block per (sequence or partition, v-head) walks its chunks last to first with the whole
+state gradient dS [K, V] in fp32 registers and forms dv, dq, dk, dg and dbeta per chunk from
+tiles that stay on chip (the per-chunk formulas of `reference_backward.py`, those of the
+three-kernel backward): dh, dvn and the 64 x 64 intermediates never reach memory; the chunk
+states h and vres come from the h walk. The work of a chunk is shared by three warpgroups:
 
 * state (threads 0-127): dS [K, V] fp32 in registers and the chain that needs it: publish dS'
   (bf16), k dS', dvn = P^T dO + exp(GL - G) k dS', t = Ag^T dvn (= dv), te = -exp(G) t, the
@@ -23,6 +26,14 @@ warpgroup may reduce across warps: TileLang's cross-warp reduction syncs on fixe
 (1 and 2), so two warpgroups reducing at once would meet at the same barrier.
 Only the walk's first chunk (a sequence's or partition's last) can be partial; the loader zeroes
 its rows >= L after the TMA copies land, so no product needs more masks than the causal ones.
+
+Arguments: q, k [1,T,H,K]; do, vres [1,T,HV,V]; ag [1,T,HV,64] (dtype); gc, beta [1,T,HV]
+fp32; h [NC,HV,K,V] dtype (state entering each chunk); cu_seqlens, chunk_offsets [N+1] int32;
+dht [NT,HV,K,V] fp32 (gradient of each sequence's final state; read when use_dht); outputs
+dq_part, dk_part [1,T,HV,K] dtype (per v-head: summed over each qk-head's v-heads afterwards,
+`_fused_walk` in tilelang_bwd_impl.py; with HV == H they are dq and dk), dv [1,T,HV,V] dtype,
+dg, db [1,T,HV] fp32 (dg already reverse-cumsummed inside the chunk), dh0 [N0,HV,K,V] fp32
+(written when store_dh0). Padding rows of a partial chunk carry q = k = v = 0 and beta = 0.
 """
 
 from .tilelang_common import CHUNK, import_tilelang, tl_dtype
@@ -32,7 +43,7 @@ LOG2E = 1.4426950408889634
 
 def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
                               store_dh0: bool):
-    """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; arguments as gdn_bwd_fused)."""
+    """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; see the module docstring)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"

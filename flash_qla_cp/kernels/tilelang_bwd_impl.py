@@ -838,16 +838,16 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     use_h0 = user_h0 or split is not None
     if h_kernel is None and split is not None:
         h_kernel = SPLIT_H_KERNEL
+    from .tilelang_fwd import _sm_count
+
     if block_v is None and split is not None and V % 64 == 0:
         # (measurement pending) partitions multiply the grid: 64-wide tiles while it still
         # covers ~90% of the SMs, as in the forward's default_fused_config
-        from .tilelang_fwd import _sm_count
-
         if N * HV * (V // 64) >= 0.9 * _sm_count(dev):
             block_v = 64
     specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht or split is not None, block_v, dh_kernel,
                              h_kernel)
-    fused_walk = FUSED_WALK and K <= 128 and V <= 128  # the walk keeps the whole state in registers
+    fused_walk = fused_walk_wanted(N * HV, K, V, _sm_count(dev))
     k_h = compile_kernel(specs[0][0], **specs[0][1])
     k_dh = k_grad = None  # the fused walk replaces the full dh walk and the grad kernel
     if not fused_walk:
@@ -912,21 +912,29 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
 
 
 # The dh walk and the grad kernel replaced by one fused reverse walk per (sequence or partition,
-# v-head) over the whole state (`tilelang_bwd_fused.py`). Correct on the H200, but measured no
-# faster than the three kernels at TP1 (-4% .. +3%) and far slower where N x HV blocks leave SMs
-# idle (TP8), so off (benchmarks/NOTES.md, sixth session); the base for a warp-specialised walk.
-FUSED_WALK = False
-# its block size: 512 threads (four warpgroups sharing each GEMM) lowers to 128 registers with
-# ~100 bytes of spills, against 255 registers at 256 threads; not yet timed
-FUSED_WALK_THREADS = 256
-# which fused walk: "serial" (tilelang_bwd_fused.py, one block doing each step in turn) or "ws"
-# (tilelang_bwd_fused_ws.py: a state warpgroup, a grad warpgroup and a loader warp)
-FUSED_WALK_KERNEL = "serial"
+# v-head) over the whole state (`tilelang_bwd_fused_ws.py`: a state warpgroup, a grad warpgroup
+# and a loader warp). H200, bf16, K = V = 128, fwd+bwd (seventh / eighth sessions, NOTES_bwd.md):
+# TP1 1x32k 3.89 vs 4.37 ms, TP1 4x8k 4.19 vs 4.94, varlen 8 docs 32k 5.33 vs 5.57, but TP8
+# 1x32k 2.47 vs 1.21 and TP8 1x128k 3.04 vs 2.47: one block per walk leaves SMs idle unless the
+# walks about fill the GPU. "auto" uses it when they do, "on" / "off" always / never.
+FUSED_WALK = "auto"
+FUSED_WALK_MIN_SM_FRACTION = 0.9
+
+
+def fused_walk_wanted(n_walks: int, K: int, V: int, sm_count: int, mode: str = None) -> bool:
+    """Whether the backward runs the fused walk for `n_walks` = (sequences or partitions) x HV
+    walks on a GPU of `sm_count` SMs (mode: FUSED_WALK unless given)."""
+    mode = FUSED_WALK if mode is None else mode
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"FUSED_WALK must be 'auto', 'on' or 'off', not {mode!r}")
+    if K > 128 or V > 128 or mode == "off":  # the walk keeps the whole state in registers
+        return False
+    return mode == "on" or n_walks >= FUSED_WALK_MIN_SM_FRACTION * sm_count
 
 
 @contextlib.contextmanager
 def switches(**values):
-    """Set this module's kernel switches (FUSED_WALK, FUSED_WALK_KERNEL, SPLIT_H_KERNEL, ...) for
+    """Set this module's kernel switches (FUSED_WALK, SPLIT_H_KERNEL, ...) for
     the duration of a `with` block, then restore them: checks and benchmarks compare variants in
     one process. A misspelt switch raises KeyError."""
     old = {name: globals()[name] for name in values}
@@ -945,14 +953,9 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_
     HV = dof.shape[2]
     params = dict(H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype), scale=float(scale),
                   use_dht=bool(use_dht), store_dh0=bool(store_dh0))
-    if FUSED_WALK_KERNEL == "ws":
-        from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
+    from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
 
-        kern = compile_kernel(build_bwd_fused_ws_kernel, **params)
-    else:
-        from .tilelang_bwd_fused import build_bwd_fused_walk_kernel
-
-        kern = compile_kernel(build_bwd_fused_walk_kernel, **params, threads=FUSED_WALK_THREADS)
+    kern = compile_kernel(build_bwd_fused_ws_kernel, **params)
     if HV == H:
         kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, dq, dk, dv, dg, db, dh0)
         return
@@ -991,16 +994,11 @@ def lowering_cases():
                                  h_kernel="ws")
         for (f, p), entry in zip(specs[:2], ("gdn_bwd_h", "gdn_bwd_dh")):
             cases.append((f"{entry}_ws_k{dim}_bv{bv}{'' if states else '_nostate'}", f, p, entry))
-    # the fused walk (FUSED_WALK, off by default)
-    from .tilelang_bwd_fused import build_bwd_fused_walk_kernel
-
-    for dim, states in ((128, True), (64, False)):
-        cases.append((f"gdn_bwd_fused_k{dim}{'' if states else '_nostate'}", build_bwd_fused_walk_kernel,
-                      dict(H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, use_dht=states,
-                           store_dh0=states), "gdn_bwd_fused"))
+    # the fused walk (FUSED_WALK; with and without exit gradients / dh0, both head sizes)
     from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
 
-    cases.append(("gdn_bwd_fused_ws_k128", build_bwd_fused_ws_kernel,
-                  dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", scale=128**-0.5, use_dht=True, store_dh0=True),
-                  "gdn_bwd_fused_ws"))
+    for dim, states in ((128, True), (64, False)):
+        cases.append((f"gdn_bwd_fused_ws_k{dim}{'' if states else '_nostate'}", build_bwd_fused_ws_kernel,
+                      dict(H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, use_dht=states,
+                           store_dh0=states), "gdn_bwd_fused_ws"))
     return cases

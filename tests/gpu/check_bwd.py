@@ -277,21 +277,15 @@ def main():
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which optional parts are skipped")
     ap.add_argument("--dh-kernel", default=None, choices=bwd.WALK_KERNELS, help="the dh walk the checks use")
     ap.add_argument("--h-kernel", default=None, choices=bwd.WALK_KERNELS, help="the h walk the checks use")
-    ap.add_argument("--fused-walk", action="store_true", help="dh walk + grad kernel as one fused walk (FUSED_WALK)")
-    ap.add_argument("--fused-walk-threads", type=int, default=None, help="block size of the fused walk")
-    ap.add_argument("--fused-walk-ws", action="store_true",
-                    help="the warp-specialised fused walk (FUSED_WALK, FUSED_WALK_KERNEL = 'ws')")
+    ap.add_argument("--fused-walk", default=None, choices=("auto", "on", "off"),
+                    help="dh walk + grad kernel as one fused walk: where it fills the GPU, always, never")
     args = ap.parse_args()
     if args.dh_kernel:
         bwd.DEFAULT_DH_KERNEL = args.dh_kernel
     if args.h_kernel:
         bwd.DEFAULT_H_KERNEL = args.h_kernel
     if args.fused_walk:
-        bwd.FUSED_WALK = True
-    if args.fused_walk_threads:
-        bwd.FUSED_WALK_THREADS = args.fused_walk_threads
-    if args.fused_walk_ws:
-        bwd.FUSED_WALK, bwd.FUSED_WALK_KERNEL = True, "ws"
+        bwd.FUSED_WALK = args.fused_walk
     os.makedirs(args.out, exist_ok=True)
     start = time.time()
     cases = CASES[:3] if args.quick else CASES

@@ -101,10 +101,9 @@ def check_decay_tables():
 def main():
     assert tilelang_backward_enabled(), "unset FLASH_QLA_CP_TILELANG_BWD=0: this checks the TileLang backward"
     tilelang_bwd_impl.POISON_BUFFERS = True
-    if "--fused-walk" in sys.argv[1:]:  # dh walk + grad kernel as one fused walk (FUSED_WALK)
-        tilelang_bwd_impl.FUSED_WALK = True
-    if "--fused-walk-ws" in sys.argv[1:]:  # its warp-specialised kernel
-        tilelang_bwd_impl.FUSED_WALK, tilelang_bwd_impl.FUSED_WALK_KERNEL = True, "ws"
+    for mode in ("on", "off"):  # --fused-walk-on / -off: the fused dh + grad walk always / never
+        if f"--fused-walk-{mode}" in sys.argv[1:]:
+            tilelang_bwd_impl.FUSED_WALK = mode
     failed = not check_decay_tables()
     cases = [
         # name, lengths, dense, HV, H, D, intra, state_v_first, with_h0

@@ -12,7 +12,7 @@
 # CP_CHECKS the CP checks (intra, inter); CHECK_FWD_ARGS check_fwd.py's options (default "--quick");
 # VARIANTS tune_fwd.py's kernel variants; CHECK_BWD_ARGS check_bwd.py's options (default
 # "--quick --no-bench"; e.g. "--no-bench --h-kernel ws"; CHECK_BWD_OUT its output folder); SEQ_LENS the long-sequence ladder
-# (with activation checkpointing). CHECK_SPLIT_ARGS / TUNE_SPLIT_ARGS pass more options (e.g. --fused-walk).
+# (with activation checkpointing). CHECK_SPLIT_ARGS / TUNE_SPLIT_ARGS pass more options (e.g. --fused-walk-on).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 # several invocations in one device call (different options per phase) unpack once

@@ -1,5 +1,5 @@
-"""Kernel specs of the warp-specialised fused walk that check_bwd, check_split and tune_split
-reach with --fused-walk-ws (for precompile_cache.py)."""
+"""Kernel specs of the fused backward walk that check_bwd, check_split and tune_split reach
+(with FUSED_WALK on, or auto where the walks fill the GPU; for precompile_cache.py)."""
 
 
 def specs(sms):
