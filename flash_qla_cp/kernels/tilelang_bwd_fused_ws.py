@@ -10,15 +10,16 @@ states h and vres come from the h walk. The work of a chunk is shared by three w
 * state (threads 0-127): dS [K, V] fp32 in registers and the chain that needs it: publish dS'
   (bf16), k dS', dvn = P^T dO + exp(GL - G) k dS', t = Ag^T dvn (= dv), te = -exp(G) t, the
   update dS = exp(GL) dS' + q^T (scale exp(G) dO) + k^T te; and, from dvn, the 64 x 64 chain
-  dAg = dvn vres^T, X = -(Ag^T dAg Ag^T) o Gam with its dG / dbeta sums (X o k k^T, dAg o Ag).
+  dAg = dvn vres^T, X = -(Ag^T dAg Ag^T) o Gam with its dG / dbeta sums (X o k k^T, dAg o Ag),
+  published as the one tile X + X^T (strictly lower / upper: dk needs only (X + X^T) k).
 * grad (threads 128-255): P = q k^T (gated, causal) for the state warpgroup, v_new, Pm, dq,
-  dk's five terms (X from the state warpgroup), the other dG sums, dg and dbeta.
+  dk's terms ((X + X^T) k with the state warpgroup's tile), the other dG sums, dg and dbeta.
 * loader (threads 256-383, one warp): the chunk's inputs in three groups (Ag, vres, G, beta /
   h, dO / q, k), each reloaded by TMA as soon as both consumers have released it.
 
 Hand-overs between the consumers, each a single shared buffer with a ready / free mbarrier pair:
-dS' (state -> grad), P (grad -> state), te and X (state -> grad; X's dG / dbeta sums go with
-it in r_s). The first version gave the state warpgroup only its chain and sat idle ~70% of the
+dS' (state -> grad), P (grad -> state), te and X + X^T (state -> grad; X's dG / dbeta sums go
+with it in r_s). The first version gave the state warpgroup only its chain and sat idle ~70% of the
 time while grad did the rest (profile in benchmarks/NOTES_bwd.md, seventh session).
 
 Registers (setmaxnreg): state 256, grad 224, loader 24; shared memory ~222 KB. Only the grad
@@ -63,13 +64,12 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
     N0 = T.dynamic("n_dh0")
 
     @T.macro
-    def rowsum_times_kk(x, work, row, k_s, r_s, slot):
-        # r_s[slot] = rowsum(x o k k^T), k k^T formed in `work` (both [C, C] fp32 fragments);
-        # inside a warp only (see the state warpgroup's note on reductions)
-        T.gemm(k_s, k_s, work, transpose_B=True, clear_accum=True)
+    def rowsum_times(x, y, row, r_s, slot):
+        # r_s[slot] = rowsum(x o y) (x, y [C, C] fp32 fragments; x is overwritten); a row sum
+        # stays inside each warp (see the state warpgroup's note on reductions)
         for i, j in T.Parallel(C, C):
-            work[i, j] = x[i, j] * work[i, j]
-        T.reduce_sum(work, row, dim=1)
+            x[i, j] = x[i, j] * y[i, j]
+        T.reduce_sum(x, row, dim=1)
         T.copy(row, r_s[slot, :])
 
     @T.macro
@@ -243,11 +243,11 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         sx_f[i, j] = -sx_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E)
                     for i, j in T.Parallel(C, C):
                         sx_f[i, j] = T.if_then_else(i > j, sx_f[i, j], T.float32(0))
-                    # rowsum(X o k k^T) feeds dG and dbeta
-                    rowsum_times_kk(sx_f, sa_f, srow_f, k_s, r_s, 1)
+                    # rowsum(X o k k^T) feeds dG and dbeta (k k^T kept in sa_f for the X^T sums)
+                    T.gemm(k_s, k_s, sa_f, transpose_B=True, clear_accum=True)
                     T.barrier_wait(x_free, (cc + 1) % 2)
                     T.copy(sx_f, x_s)
-                    T.fence_proxy_async()
+                    rowsum_times(sx_f, sa_f, srow_f, r_s, 1)
                     # colsum(X o k k^T) = rowsum(X^T o k k^T), X^T = -(M^T Ag) o Gam^T, strictly upper
                     T.gemm(da_s, a_s, sx_f, transpose_A=True, clear_accum=True)
                     T.barrier_arrive(free_a)
@@ -255,7 +255,13 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         sx_f[i, j] = -sx_f[i, j] * T.exp2(T.min(g_s[s, j] - g_s[s, i], T.float32(0)) * LOG2E)
                     for i, j in T.Parallel(C, C):
                         sx_f[i, j] = T.if_then_else(j > i, sx_f[i, j], T.float32(0))
-                    rowsum_times_kk(sx_f, sa_f, srow_f, k_s, r_s, 2)
+                    # x_s becomes X + X^T (disjoint triangles): the grad warpgroup's dk needs only
+                    # (X + X^T) k, one GEMM instead of two
+                    for i, j in T.Parallel(C, C):
+                        if j > i:
+                            x_s[i, j] = sx_f[i, j]
+                    T.fence_proxy_async()
+                    rowsum_times(sx_f, sa_f, srow_f, r_s, 2)
                     T.barrier_arrive(x_ready)  # X and the sums 0-2 of r_s
                     # scale exp(G) dO into dvn's tile for the update
                     for i, d in T.Parallel(C, V):
@@ -349,10 +355,9 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.copy(row_f, r_s[7, :])
                     T.reduce_sum(row_f, one_f, dim=0)
                     sc_s[1] = one_f[0]
-                    # X k + X^T k (X and its dG / dbeta sums from the state warpgroup)
+                    # X k + X^T k = (X + X^T) k (x_s and the dG / dbeta sums from the state warpgroup)
                     T.barrier_wait(x_ready, ph)
                     T.gemm(x_s, k_s, acc_f)
-                    T.gemm(x_s, k_s, acc_f, transpose_A=True)
                     T.barrier_arrive(x_free)
                     # - E t S^T (te = -E t from the state warpgroup)
                     T.barrier_wait(te_ready, ph)

@@ -7,7 +7,7 @@
 #   kernels new to the device can be compiled into that archive beforehand on a CPU machine:
 #   python tests/gpu/precompile_cache.py SPEC_FILE (e.g. tests/gpu/precompile_specs_check_bwd.py)
 #
-# Phases: check_fwd check_bwd check_walk check_split check_cp bench tune_fwd trace_fwd tune_split profile long_seq. SHAPES / LIBS narrow the
+# Phases: check_fwd check_bwd check_walk check_split check_cp bench ncu tune_fwd trace_fwd tune_split profile long_seq. SHAPES / LIBS narrow the
 # benchmark (GRAPHS=1 adds CUDA-graph replay timings, also to tune_split; BENCH_NAME names its output folder; SHAPES / PARTS / FWD_BV / SPLIT_H the split sweep);
 # CP_CHECKS the CP checks (intra, inter); CHECK_FWD_ARGS check_fwd.py's options (default "--quick");
 # VARIANTS tune_fwd.py's kernel variants; CHECK_BWD_ARGS check_bwd.py's options (default
@@ -42,6 +42,13 @@ for phase in "$@"; do
                   | grep '^{' | cut -c1-400 ;;
     profile) timeout 240 python benchmarks/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
                ${INTRA:+--intra "$INTRA"} 2>&1 | grep '^{' | cut -c1-1500 ;;
+    ncu)  # per-instruction stall samples of one kernel (NCU_KERNEL) on one shape; read with benchmarks/ncu_stalls.py
+      timeout 400 /usr/local/cuda/bin/ncu --section SpeedOfLight --section SourceCounters --section WarpStateStats \
+        --import-source no -k "regex:${NCU_KERNEL:-gdn_bwd_fused_ws}" --launch-skip 1 --launch-count 1 -f -o "$OUT/ncu" \
+        python benchmarks/run_shape.py "${SHAPE:-tp1_1x32k}" 2>&1 | grep -v "Parallel Compiling" | tail -4
+      /usr/local/cuda/bin/ncu -i "$OUT/ncu.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
+      /usr/local/cuda/bin/ncu -i "$OUT/ncu.ncu-rep" --page source --print-source sass --csv 2>/dev/null | xz -9 > "$OUT/ncu_sass.csv.xz"
+      rm -f "$OUT/ncu.ncu-rep"; grep -E "Duration|Registers Per|Issue Slots Busy|No Eligible" "$OUT/ncu_details.txt" ;;
     check_cp) timeout "${CHECK_TIMEOUT:-300}" python tests/gpu/check_cp.py ${CP_CHECKS:-intra inter} 2>&1 | grep -v TileLang | tee "$OUT/check_cp.log" | cut -c1-600 ;;
     bench) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_kernels.py --out "$OUT/${BENCH_NAME:-bench}" ${GRAPHS:+--graphs} \
              ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-300 ;;
