@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("tilelang")
 
-from flash_qla_cp.kernels.lowering import kernel_registry, lower_to_cuda_source  # noqa: E402
+from flash_qla_cp.kernels.lowering import MAX_SHARED_MEMORY_SM90, kernel_registry, lower_for_cuda  # noqa: E402
 
 CASES = kernel_registry()
 
@@ -25,7 +25,9 @@ def test_registry_covers_forward_variants():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_lower_kernel(case):
-    src = lower_to_cuda_source(case.build(), arch="sm_90a")
+    lowered = lower_for_cuda(case.build(), arch="sm_90a")
+    src = lowered.source
+    assert lowered.shared_memory_bytes <= MAX_SHARED_MEMORY_SM90, f"{case.name}: would not launch"
     assert "__global__" in src and case.entry in src, f"{case.name}: entry {case.entry!r} missing"
     for needle in case.expect:
         assert needle in src, f"{case.name}: expected {needle!r} in the generated CUDA source"
