@@ -17,7 +17,7 @@ import lzma
 import re
 from collections import Counter, defaultdict
 
-KINDS = (  # first match wins
+KINDS = (  # first match wins (a retry branch of an mbarrier try-wait is classed before these)
     ("wgmma wait", re.compile(r"WARPGROUP\.(DEPBAR|ARRIVE)|WARPSYNC")),
     ("wgmma", re.compile(r"HGMMA|WGMMA")),
     ("mbarrier wait", re.compile(r"SYNCS\.PHASECHK|SYNCS\.ARRIVE")),
@@ -44,10 +44,43 @@ def number(text):
         return 0.0
 
 
+def kinds_of(rows):
+    """Kind of each instruction; the conditional branch that retries an mbarrier try-wait
+    (SYNCS.PHASECHK ... @!P BRA back) is where a warp waiting for a barrier sits."""
+    out, last_try = [], -10
+    for i, row in enumerate(rows):
+        src = row["Source"]
+        if "PHASECHK" in src:
+            last_try = i
+        if "BRA" in src and i - last_try <= 6 and src.strip().startswith("@"):
+            out.append("mbarrier wait")
+        else:
+            out.append(next((name for name, pat in KINDS if pat.search(src)), "other"))
+    return out
+
+
+def segments(rows, kinds, col, total):
+    """Samples between consecutive synchronising instructions (wgmma waits, barriers): which
+    stretch of the branch's code the time goes to, with its GEMM shapes."""
+    out, acc, start, gemms = [], 0.0, 0, Counter()
+    for i, (row, kind) in enumerate(zip(rows, kinds)):
+        acc += number(row[col])
+        if "GMMA" in row["Source"]:
+            gemms[next(w for w in row["Source"].split() if "GMMA" in w)] += 1
+        if kind in ("wgmma wait", "mbarrier wait", "named barrier") or i == len(rows) - 1:
+            if 100 * acc / total >= 0.3:
+                shapes = " ".join(f"{n}x{g}" for g, n in gemms.items())
+                out.append(f"   {100 * acc / total:5.1f}%  #{start:5d}-{i:5d}  [{kind}] {shapes}")
+            acc, start, gemms = 0.0, i + 1, Counter()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv_path")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--segments", action="store_true",
+                    help="also list the stretches between synchronising instructions (>= 0.3%% each)")
     args = ap.parse_args()
     rows = read_rows(args.csv_path)
     cols = list(rows[0].keys())
@@ -61,9 +94,9 @@ def main():
     print(f"{len(rows)} instructions, {total:.0f} samples ({sample_col})")
     for reg, rs in sorted(per_region.items()):
         samples = sum(number(r[sample_col]) for r in rs)
+        kind_list = kinds_of(rs)
         kinds = Counter()
-        for r in rs:
-            kind = next((name for name, pat in KINDS if pat.search(r["Source"])), "other")
+        for r, kind in zip(rs, kind_list):
             kinds[kind] += number(r[sample_col])
         print(f"\n== region {reg}: {len(rs)} instructions, {100 * samples / total:.1f}% of samples")
         print("   by kind: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in kinds.most_common() if v))
@@ -71,6 +104,9 @@ def main():
         for i in sorted(top):
             r = rs[i]
             print(f"   {100 * number(r[sample_col]) / total:5.1f}%  #{i:5d}  {r['Source'][:90]}")
+        if args.segments:
+            print("   -- segments")
+            print("\n".join(segments(rs, kind_list, sample_col, total)))
 
 
 if __name__ == "__main__":
