@@ -22,9 +22,10 @@ dS' (state -> grad), P (grad -> state), te and X + X^T (state -> grad; X's dG / 
 with it in r_s). The first version gave the state warpgroup only its chain and sat idle ~70% of the
 time while grad did the rest (profile in benchmarks/NOTES_bwd.md, seventh session).
 
-Registers (setmaxnreg): state 256, grad 224, loader 24; shared memory ~222 KB. Only the grad
-warpgroup may reduce across warps: TileLang's cross-warp reduction syncs on fixed named barriers
-(1 and 2), so two warpgroups reducing at once would meet at the same barrier.
+Registers (setmaxnreg): state 256, grad 224, loader 24; shared memory 224 KiB of the 227 a
+block may have (checked by the CPU lowering tests). Only the grad warpgroup may reduce across
+warps: TileLang's cross-warp reduction syncs on fixed named barriers (1 and 2), so two
+warpgroups reducing at once would meet at the same barrier.
 Only the walk's first chunk (a sequence's or partition's last) can be partial; the loader zeroes
 its rows >= L after the TMA copies land, so no product needs more masks than the causal ones.
 
