@@ -30,9 +30,8 @@ KINDS = (  # first match wins (a retry branch of an mbarrier try-wait is classed
 
 
 def read_rows(path):
-    raw = lzma.open(path, "rt") if path.endswith(".xz") else open(path)
-    text = raw.read()
-    lines = text.splitlines()
+    with (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) as f:
+        lines = f.read().splitlines()
     start = next(i for i, line in enumerate(lines) if '"Source"' in line or line.startswith("Address"))
     return list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
 

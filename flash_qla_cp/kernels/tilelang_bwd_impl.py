@@ -55,8 +55,8 @@ import contextlib
 
 import torch
 
-from .tilelang_common import (CHUNK, chunk_table, compile_kernel, import_tilelang, kernel_operand, state_kv_layout,
-                              tl_dtype)
+from .tilelang_common import (CHUNK, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang, kernel_operand,
+                              state_kv_layout, tl_dtype)
 
 LOG2E = 1.4426950408889634
 
@@ -840,14 +840,15 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         h_kernel = SPLIT_H_KERNEL
     from .tilelang_fwd import _sm_count
 
+    sms = _sm_count(dev)
     if block_v is None and split is not None and V % 64 == 0:
         # (measurement pending) partitions multiply the grid: 64-wide tiles while it still
-        # covers ~90% of the SMs, as in the forward's default_fused_config
-        if N * HV * (V // 64) >= 0.9 * _sm_count(dev):
+        # fills the GPU, as in the forward's default_fused_config
+        if grid_fills_gpu(N * HV * (V // 64), sms):
             block_v = 64
     specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht or split is not None, block_v, dh_kernel,
                              h_kernel)
-    fused_walk = fused_walk_wanted(N * HV, K, V, _sm_count(dev))
+    fused_walk = fused_walk_wanted(N * HV, K, V, sms)
     k_h = compile_kernel(specs[0][0], **specs[0][1])
     k_dh = k_grad = None  # the fused walk replaces the full dh walk and the grad kernel
     if not fused_walk:
@@ -918,7 +919,6 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
 # 1x32k 2.47 vs 1.21 and TP8 1x128k 3.04 vs 2.47: one block per walk leaves SMs idle unless the
 # walks about fill the GPU. "auto" uses it when they do, "on" / "off" always / never.
 FUSED_WALK = "auto"
-FUSED_WALK_MIN_SM_FRACTION = 0.9
 
 
 def fused_walk_wanted(n_walks: int, K: int, V: int, sm_count: int, mode: str = None) -> bool:
@@ -929,7 +929,7 @@ def fused_walk_wanted(n_walks: int, K: int, V: int, sm_count: int, mode: str = N
         raise ValueError(f"FUSED_WALK must be 'auto', 'on' or 'off', not {mode!r}")
     if K > 128 or V > 128 or mode == "off":  # the walk keeps the whole state in registers
         return False
-    return mode == "on" or n_walks >= FUSED_WALK_MIN_SM_FRACTION * sm_count
+    return mode == "on" or grid_fills_gpu(n_walks, sm_count)
 
 
 @contextlib.contextmanager
@@ -949,13 +949,12 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_
                 dq, dk, dv, dg, db, dh0):
     """Run the fused walk; dq / dk (per qk-head) are the sums of its per-v-head parts, rounded to
     the input dtype like the peer's (with HV == H the walk writes dq and dk themselves)."""
-    _, Ttot, H, K = qf.shape
-    HV = dof.shape[2]
-    params = dict(H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype), scale=float(scale),
-                  use_dht=bool(use_dht), store_dh0=bool(store_dh0))
     from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
 
-    kern = compile_kernel(build_bwd_fused_ws_kernel, **params)
+    _, Ttot, H, K = qf.shape
+    HV = dof.shape[2]
+    kern = compile_kernel(build_bwd_fused_ws_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
+                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
     if HV == H:
         kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, dq, dk, dv, dg, db, dh0)
         return

@@ -56,8 +56,8 @@ import math
 
 import torch
 
-from .tilelang_common import (CHUNK, chunk_table, compile_kernel, import_tilelang, kernel_operand, state_kv_layout,
-                              tl_dtype)
+from .tilelang_common import (CHUNK, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang, kernel_operand,
+                              state_kv_layout, tl_dtype)
 
 LOG2E = 1.4426950408889634
 
@@ -482,7 +482,7 @@ def default_fused_config(n_seqs, HV, V, sm_count=132, K=128):
     if K > 128:
         return {"block_v": 32 if pairs * (V // 32) >= sm_count // 2 else 16, "threads": 128}
     for bv in (64, 32):
-        if V % bv == 0 and pairs * (V // bv) >= 0.9 * sm_count:
+        if V % bv == 0 and grid_fills_gpu(pairs * (V // bv), sm_count):
             return {"warp_specialized": True, "block_v": bv}
     return {"warp_specialized": True, "block_v": 16 if V % 16 == 0 else V}
 
