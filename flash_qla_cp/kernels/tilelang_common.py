@@ -14,6 +14,8 @@ a condition around a load becomes a branch per element (H200: ~1.3k cycles per s
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 
 import torch
@@ -78,6 +80,20 @@ def _key(factory, params: dict):
     return (factory.__module__, factory.__qualname__, tuple(sorted(params.items())))
 
 
+# When set, every kernel compile_kernel builds is appended to this file as one JSON line
+# (module, factory, params): a GPU run lists what it compiled, so that the next one can have
+# those kernels built beforehand on a CPU machine (tests/gpu/precompile_cache.py reads the file).
+KERNEL_LOG_ENV = "FLASH_QLA_CP_KERNEL_LOG"
+
+
+def _log_kernel(factory, params: dict):
+    path = os.environ.get(KERNEL_LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"module": factory.__module__, "factory": factory.__qualname__,
+                                "params": params}) + "\n")
+
+
 def compile_kernel(factory, **params):
     """Build `factory(**params)` into a runnable TileLang kernel on first use, then reuse it.
 
@@ -95,6 +111,7 @@ def compile_kernel(factory, **params):
             tilelang, _ = import_tilelang()
             kern = tilelang.compile(factory(**params), target="cuda", pass_configs=default_pass_configs())
             _kernel_cache[key] = kern
+            _log_kernel(factory, params)
     return kern
 
 

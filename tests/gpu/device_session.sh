@@ -5,7 +5,8 @@
 #   run(command="bash tests/gpu/device_session.sh check_fwd check_cp bench", carry=[".device"])
 #   then, here: cp <files_at>/tlcache.tar.xz .device/   (next call compiles nothing it has seen)
 #   kernels new to the device can be compiled into that archive beforehand on a CPU machine:
-#   python tests/gpu/precompile_cache.py SPEC_FILE (e.g. tests/gpu/precompile_specs_check_bwd.py)
+#   python tests/gpu/precompile_cache.py SPEC_FILE (e.g. tests/gpu/precompile_specs_check_bwd.py,
+#   or the kernels.jsonl a call returns: what it had to compile)
 #
 # Phases: check_fwd check_bwd check_walk check_split check_cp bench ncu tune_fwd trace_fwd tune_split profile long_seq. SHAPES / LIBS narrow the
 # benchmark (GRAPHS=1 adds CUDA-graph replay timings, also to tune_split; BENCH_NAME names its output folder; SHAPES / PARTS / FWD_BV / SPLIT_H the split sweep);
@@ -22,6 +23,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlca
 export FLASH_QLA_CP_TILELANG_BWD=1  # the GPU checks and timings cover the TileLang backward (its default)
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
+# every kernel the run builds (compiled, or loaded from the cache) is listed for precompile_cache.py
+export FLASH_QLA_CP_KERNEL_LOG="$OUT/kernels.jsonl"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for phase in "$@"; do
   echo "== $phase $(date -u +%T)"

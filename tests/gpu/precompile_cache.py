@@ -5,7 +5,8 @@ does not spend its minutes compiling (30-60 s per kernel there).
     python tests/gpu/precompile_cache.py SPEC_FILE [--arch sm_90a] [--sms 132] [--tar .device/tlcache.tar.xz]
 
 SPEC_FILE is a Python file defining `specs(sms) -> [(factory, params)]` (sms: the device's SM
-count, for kernels whose grid depends on it). TileLang's cache key is the kernel's script, the
+count, for kernels whose grid depends on it), or a JSON-lines kernel log that a GPU run wrote
+(device_session.sh sets FLASH_QLA_CP_KERNEL_LOG to $OUT/kernels.jsonl). TileLang's cache key is the kernel's script, the
 target and the pass configs, none of which needs a GPU: with the arch pinned to the device's,
 the keys are the device's (checked on the H200: the prepare kernels compiled here landed on the
 cache entries the device had written). The shared libraries need only libc, so they load there.
@@ -13,13 +14,31 @@ Needs nvcc here (`pip install "tilelang[nvcc]"` or a CUDA toolkit).
 """
 
 import argparse
+import importlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+
+
+def load_specs(spec_file, sms):
+    """[(factory, params)] from a spec module or from a kernel log (one JSON object per line)."""
+    if spec_file.endswith(".jsonl"):
+        todo = []
+        with open(spec_file) as f:
+            for line in filter(str.strip, f):
+                entry = json.loads(line)
+                factory = getattr(importlib.import_module(entry["module"]), entry["factory"])
+                todo.append((factory, entry["params"]))
+        return todo
+    spec = importlib.util.spec_from_file_location("precompile_specs", spec_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.specs(sms)
 
 
 def main():
@@ -41,10 +60,7 @@ def main():
     cuda_target._detect_torch_cuda_arch = lambda: args.arch  # what target="cuda" resolves to there
     from flash_qla_cp.kernels.tilelang_common import precompile
 
-    spec = importlib.util.spec_from_file_location("precompile_specs", args.spec_file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    todo = module.specs(args.sms)
+    todo = load_specs(args.spec_file, args.sms)
     start = time.time()
     done = 0
     for i in range(0, len(todo), args.workers):  # small batches: progress on long runs
