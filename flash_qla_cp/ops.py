@@ -189,9 +189,9 @@ def chunk_gated_delta_rule(
             slice of the packed global batch and the call runs context-parallel (see
             docs/context_parallel.md). None: the single-device op, unchanged.
         intra_cp: intra-card CP on one device (ignored when cp_context is given). 'auto'
-            (default): on the TileLang backend sequences of 16k tokens and more are cut into
-            partitions of >= 8k run side by side inside the kernels (while the grid stays under
-            2 x SMs), forward and backward, with an exact GPU-side state scan
+            (default): on the TileLang backend sequences of 4k tokens and more are cut into
+            partitions of >= 2k run side by side inside the kernels (until sequences x v-heads x
+            partitions about fill the SMs), forward and backward, with an exact GPU-side state scan
             (kernels/tilelang_split.py; torch backend: no split); 'off'; or an int P, partitions
             per sequence (TileLang: inside the kernels; torch: the parallel.intra engine).
 

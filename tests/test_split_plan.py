@@ -53,24 +53,31 @@ def test_partitions_tile_each_sequence_at_chunk_boundaries(parts):
     assert plan.last_parts() == [p - 1 for p in plan.seq_parts[1:]]
 
 
-def test_auto_splits_long_sequences_into_partitions_of_at_least_128_chunks():
-    # TP8 (4 v-heads) and TP1 (32 v-heads), one 32k sequence (512 chunks): four partitions
-    assert auto_partitions(512, num_seqs=1, HV=4, V=128, sms=132) == 4
+def test_auto_partitions_aim_at_one_walk_per_sm():
+    # TP8 (4 v-heads), one 32k sequence (512 chunks): 16 partitions of 32 chunks (32 would fit
+    # the SMs but leave 16 chunks each); at TP1 (32 v-heads) 4 x 32 walks fill 132 SMs
+    assert auto_partitions(512, num_seqs=1, HV=4, V=128, sms=132) == 16
     assert auto_partitions(512, num_seqs=1, HV=32, V=128, sms=132) == 4
-    # 128k at TP8: 16 partitions of 128 chunks; at TP1 the grid stops it at 2 x SMs
-    assert auto_partitions(2048, num_seqs=1, HV=4, V=128, sms=132) == 16
-    assert auto_partitions(2048, num_seqs=1, HV=32, V=128, sms=132) == 8
-    # 8k sequences (128 chunks) are not split, alone or four of them
-    assert auto_partitions(128, num_seqs=1, HV=32, V=128, sms=132) == 1
+    # 128k: at TP8 32 x 4 walks, at TP1 as for 32k
+    assert auto_partitions(2048, num_seqs=1, HV=4, V=128, sms=132) == 32
+    assert auto_partitions(2048, num_seqs=1, HV=32, V=128, sms=132) == 4
+    # one 8k sequence (128 chunks) at TP1: 4 partitions of 32 chunks; four of them fill the SMs
+    assert auto_partitions(128, num_seqs=1, HV=32, V=128, sms=132) == 4
     assert auto_partitions(128, num_seqs=4, HV=32, V=128, sms=132) == 1
-    # many sequences already fill the GPU
+    # many sequences already fill the GPU; short sequences are not cut below 32 chunks
     assert auto_partitions(512, num_seqs=8, HV=32, V=128, sms=132) == 1
-    assert auto_partitions(20, num_seqs=1, HV=4, V=128, sms=132) == 1
+    assert auto_partitions(40, num_seqs=1, HV=4, V=128, sms=132) == 1
+    assert auto_partitions(64, num_seqs=1, HV=4, V=128, sms=132) == 2
+    # a wider state is walked in 128-column slices: V = 256 counts twice
+    assert auto_partitions(512, num_seqs=1, HV=32, V=256, sms=132) == 2
+    # a smaller GPU gets fewer partitions
+    assert auto_partitions(512, num_seqs=1, HV=32, V=128, sms=66) == 2
 
 
 def test_auto_plan_matches_auto_partitions():
+    # two sequences (walks of 2 x 4 v-heads): 32k -> 16 partitions, 8k -> 4
     plan = plan_split([0, 32768, 32768 + 8192], HV=4, V=128, parts="auto", sms=132)
-    assert plan.seq_parts == [0, 4, 5] and plan.split_parts == [0, 1, 2, 3]
+    assert plan.seq_parts == [0, 16, 20] and plan.split_parts == list(range(20))
 
 
 def _gates(T, rates, seed):

@@ -35,12 +35,14 @@ import torch
 from .tilelang_common import CHUNK, compile_kernel, import_tilelang, kernel_operand, tl_dtype
 
 LOG2E = 1.4426950408889634
-# Partitions keep at least this many chunks (8k tokens). H200, bf16, K = V = 128, fwd / fwd+bwd ms
-# by partitions per sequence (benchmarks/results/tune_split_hostfix_h200_2026-12-03.json):
-# TP1 1x32k (512 chunks) P = 1 (forward-only P = 2 before) 0.87 / 4.96, P = 2 0.88 / 4.71,
-# P = 4 0.88 / 4.38; TP8 1x32k P = 4 0.25 / 1.57, P = 32 0.34 / 1.68; TP1 1x8k (128 chunks)
-# unsplit 0.26 / 1.33, P = 2 0.35 / 1.81; TP1 4x8k unsplit 0.80 / 4.94, P = 2 0.91 / 4.50.
-MIN_CHUNKS_PER_PART = 128
+# Partitions keep at least this many chunks (2k tokens). The auto rule aims at one backward walk
+# per SM (the fused walk runs one block per SM over (partition, v-head) pairs). H200, bf16,
+# K = V = 128, fwd+bwd ms by partitions per sequence, CUDA-graph replays
+# (benchmarks/results/tune_split_walks_h200_2026-12-03.json): TP1 1x8k P = 1 1.32, P = 2 1.30,
+# P = 4 1.08; TP8 1x32k P = 4 1.21, P = 8 0.84, P = 16 0.78; TP8 1x128k P = 16 2.46, P = 32 2.07;
+# TP1 1x32k P = 4 3.68 (P = 8 was ~2% slower, sixth session). More partitions cost the forward a
+# little (TP1 1x8k 0.257 -> 0.266, TP8 1x128k 0.498 -> 0.527): the rule is for training.
+MIN_CHUNKS_PER_PART = 32
 MAX_PARTS = 64
 # A state damped by exp(-16) ~ 1.1e-7 (the fp32 resolution) may be dropped. The bound
 # ||prod_t exp(g_t) (I - beta_t k_t k_t^T)|| <= exp(sum g) needs beta_t ||k_t||^2 <= 2, i.e. no
@@ -68,18 +70,20 @@ __all__ = [
 # ----------------------------------------------------------------------------------------
 # Host-side plan
 # ----------------------------------------------------------------------------------------
-def grid_ctas(num_seqs: int, HV: int, V: int) -> int:
-    """CTAs of an unsplit walk: (sequence, v-head) pairs x 64-wide V tiles."""
-    return max(1, num_seqs * HV * max(1, V // 64))
+def walk_blocks(num_seqs: int, HV: int, V: int) -> int:
+    """Blocks of an unsplit backward walk: (sequence, v-head) pairs, times the 128-column
+    slices of V (the fused walk holds at most 128 columns of the state)."""
+    return max(1, num_seqs * HV * -(-V // 128))
 
 
 def auto_partitions(n_chunks: int, num_seqs: int, HV: int, V: int, sms: int) -> int:
     """Partitions for a sequence of `n_chunks` chunks (a power of two; 1 means no split): P
-    doubles while every partition keeps MIN_CHUNKS_PER_PART chunks and the grid of 64-wide V
-    tiles stays under 2 x SMs. The forward's and the backward's split are the same."""
-    ctas = grid_ctas(num_seqs, HV, V)
+    doubles while the walks after doubling still fit on the SMs (one block each) and every
+    partition keeps MIN_CHUNKS_PER_PART chunks. The forward's and the backward's split are the
+    same."""
+    blocks = walk_blocks(num_seqs, HV, V)
     parts = 1
-    while parts < MAX_PARTS and ctas * parts < 2 * sms and n_chunks // (2 * parts) >= MIN_CHUNKS_PER_PART:
+    while parts < MAX_PARTS and blocks * 2 * parts <= sms and n_chunks // (2 * parts) >= MIN_CHUNKS_PER_PART:
         parts *= 2
     return parts
 
