@@ -80,8 +80,9 @@ def _key(factory, params: dict):
     return (factory.__module__, factory.__qualname__, tuple(sorted(params.items())))
 
 
-# When set, every kernel compile_kernel builds is appended to this file as one JSON line
-# (module, factory, params): a GPU run lists what it compiled, so that the next one can have
+# When set, every kernel built in this process (compile_kernel or precompile; compiled or loaded
+# from TileLang's disk cache) is appended to this file as one JSON line (module, factory,
+# params): a GPU run lists the kernels it used, so that the next one can have
 # those kernels built beforehand on a CPU machine (tests/gpu/precompile_cache.py reads the file).
 KERNEL_LOG_ENV = "FLASH_QLA_CP_KERNEL_LOG"
 
@@ -123,17 +124,18 @@ def precompile(specs, num_workers: int = 8) -> int:
     todo = []
     for factory, params in specs:
         key = _key(factory, params)
-        if key not in _kernel_cache and key not in [k for k, _ in todo]:
-            todo.append((key, factory(**params)))
+        if key not in _kernel_cache and key not in [t[0] for t in todo]:
+            todo.append((key, factory, params, factory(**params)))
     if not todo:
         return 0
     tilelang, _ = import_tilelang()
     kernels = tilelang.par_compile(
-        [f for _, f in todo], target="cuda", pass_configs=default_pass_configs(), num_workers=num_workers
+        [t[3] for t in todo], target="cuda", pass_configs=default_pass_configs(), num_workers=num_workers
     )
     with _compile_lock:
-        for (key, _), kern in zip(todo, kernels):
+        for (key, factory, params, _), kern in zip(todo, kernels):
             _kernel_cache[key] = kern
+            _log_kernel(factory, params)
     return len(todo)
 
 

@@ -6,7 +6,7 @@
 #   then, here: cp <files_at>/tlcache.tar.xz .device/   (next call compiles nothing it has seen)
 #   kernels new to the device can be compiled into that archive beforehand on a CPU machine:
 #   python tests/gpu/precompile_cache.py SPEC_FILE (e.g. tests/gpu/precompile_specs_check_bwd.py,
-#   or the kernels.jsonl a call returns: what it had to compile)
+#   or the kernels.jsonl a call returns: the kernels it used)
 #
 # Phases: check_fwd check_bwd check_walk check_split check_cp bench ncu tune_fwd trace_fwd tune_split profile long_seq. SHAPES / LIBS narrow the
 # benchmark (GRAPHS=1 adds CUDA-graph replay timings, also to tune_split; BENCH_NAME names its output folder; SHAPES / PARTS / FWD_BV / SPLIT_H the split sweep);
