@@ -121,19 +121,20 @@ def precompile(specs, num_workers: int = 8) -> int:
 
     Returns the number of kernels compiled. Kernels already cached are skipped.
     """
-    todo = []
+    todo = {}  # cache key -> (factory, params): each missing kernel once, in the specs' order
     for factory, params in specs:
         key = _key(factory, params)
-        if key not in _kernel_cache and key not in [t[0] for t in todo]:
-            todo.append((key, factory, params, factory(**params)))
+        if key not in _kernel_cache:
+            todo.setdefault(key, (factory, params))
     if not todo:
         return 0
     tilelang, _ = import_tilelang()
     kernels = tilelang.par_compile(
-        [t[3] for t in todo], target="cuda", pass_configs=default_pass_configs(), num_workers=num_workers
+        [factory(**params) for factory, params in todo.values()], target="cuda",
+        pass_configs=default_pass_configs(), num_workers=num_workers,
     )
     with _compile_lock:
-        for (key, factory, params, _), kern in zip(todo, kernels):
+        for (key, (factory, params)), kern in zip(todo.items(), kernels):
             _kernel_cache[key] = kern
             _log_kernel(factory, params)
     return len(todo)
