@@ -6,6 +6,8 @@ Libraries (same inputs, same process, same timing method):
             kernels/tilelang_split.py) and the TileLang backward (its default; an inherited
             FLASH_QLA_CP_TILELANG_BWD=0 is overridden below)
   ours_nosplit  the same with intra_cp="off" (one CTA walks a whole sequence per head and tile)
+  ours_recompute  the same as ours with save_states=False: the backward recomputes the chunk
+            states instead of reading the ones the forward kept (less memory, one more walk)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
@@ -160,11 +162,12 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
             t.grad = None
         o.backward(do)
 
-    if lib in ("ours", "ours_nosplit"):
+    if lib in ("ours", "ours_nosplit", "ours_recompute"):
         from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
         from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
 
-        intra = "auto" if lib == "ours" else "off"
+        intra = "off" if lib == "ours_nosplit" else "auto"
+        keep = lib != "ours_recompute"
 
         def fwd():
             if ours_cfg:  # a tuned fused-kernel tile (--ours-tune): the kernels called directly
@@ -178,7 +181,7 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
 
         def fwdbwd():
             o, _ = ours_op(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32, backend="tilelang",
-                           intra_cp=intra)
+                           intra_cp=intra, save_states=keep)
             backward(o, ins)
 
         return fwd, fwdbwd

@@ -86,6 +86,32 @@ def test_tilelang_backward_is_the_default_and_env_zero_opts_out(monkeypatch):
         assert rel_err(got, leaves[name].grad) < 1e-12
 
 
+def test_states_are_kept_only_when_a_backward_will_run(monkeypatch):
+    # the forward keeps its chunk states (memory) only for a backward: inputs that need gradients
+    # and save_states left on; the results do not depend on it
+    from flash_qla_cp import ops
+
+    asked = []
+    real_fwd = ops.chunk_gated_delta_rule_fwd
+
+    def spy(*args, save_states=False, **kw):
+        asked.append(save_states)
+        return real_fwd(*args, save_states=save_states, **kw)
+
+    monkeypatch.setattr(ops, "chunk_gated_delta_rule_fwd", spy)
+    x = _inputs(6, seq_len=70, num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=8)
+    outs = []
+    for save, grad in ((True, True), (False, True), (True, False)):
+        leaves = {n: t.clone().requires_grad_(grad) for n, t in x.items()}
+        o, _ = chunk_gated_delta_rule(**leaves, save_states=save)
+        if grad:
+            o.sum().backward()
+            outs.append([leaves[n].grad for n in NAMES])
+    assert asked == [True, False, False]
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_l2norm_option_equals_normalising_first():
     x = _inputs(4, seq_len=65, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
     raw = dict(x, q=x["q"] * 3.0, k=x["k"] * 0.5)

@@ -27,7 +27,8 @@ else:
 
 def test_cases_cover_every_kernel():
     entries = {c[3] for c in CASES}
-    assert {"gdn_bwd_h", "gdn_bwd_dh", "gdn_bwd_dh_limited", "gdn_bwd_grad_group", "gdn_bwd_fused_ws"} <= entries
+    assert {"gdn_bwd_h", "gdn_bwd_dh", "gdn_bwd_dh_limited", "gdn_bwd_grad_group", "gdn_bwd_fused_ws",
+            "gdn_v_head_sum"} <= entries
     assert any("float16_k64" in c[0] for c in CASES) and any("bfloat16_k128" in c[0] for c in CASES)
 
 
@@ -43,9 +44,11 @@ def test_lower_bwd_kernel(case):
     kernel = lowered(name)
     src = kernel.source
     # more shared memory than a block may have lowers and compiles, then fails at launch
-    assert 0 < kernel.shared_memory_bytes <= MAX_SHARED_MEMORY_SM90, (name, kernel.shared_memory_bytes)
+    assert kernel.shared_memory_bytes <= MAX_SHARED_MEMORY_SM90, (name, kernel.shared_memory_bytes)
     assert "__global__" in src and entry in src, f"{name}: entry {entry!r} missing"
-    assert "wgmma" in src, f"{name}: no wgmma in the generated source"
+    if entry != "gdn_v_head_sum":  # the GVA sum is elementwise: no GEMM, no shared memory
+        assert kernel.shared_memory_bytes > 0, name
+        assert "wgmma" in src, f"{name}: no wgmma in the generated source"
     assert "atomic" not in src.lower(), f"{name}: atomics would break determinism"
 
 

@@ -115,10 +115,17 @@ def _warp_specialized_cases() -> list[KernelCase]:
     from .tilelang_fwd_ws import build_fused_fwd_ws_kernel
 
     cases = []
-    # the default tiles, then the option: a three-stage ring
+    # the default tiles, then the options: a three-stage ring; the chunk states kept for the
+    # backward (TMA stores from the output warpgroup)
     for bv, dim, varlen, v_first, opts in ((64, 128, False, False, {}), (32, 128, True, True, {}),
-                                           (16, 64, True, False, {}), (64, 128, True, False, {"num_stages": 3})):
+                                           (16, 64, True, False, {}), (64, 128, True, False, {"num_stages": 3}),
+                                           (64, 128, True, False, {"store_states": True}),
+                                           (32, 128, False, True, {"store_states": True})):
         tag = "".join(f"_{k}{int(v)}" for k, v in opts.items())
+        entry = "gdn_fwd_fused_varlen" if varlen else "gdn_fwd_fused"
+        expect = ("wgmma", "tma_load", "warpgroup_reg_alloc")
+        if opts.get("store_states"):
+            entry, expect = entry + "_states", expect + ("tma_store",)
         cases.append(
             KernelCase(
                 name=f"fwd_fused_ws_k{dim}_bv{bv}_{'varlen' if varlen else 'dense'}{tag}",
@@ -127,9 +134,9 @@ def _warp_specialized_cases() -> list[KernelCase]:
                     H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, is_varlen=varlen,
                     use_initial_state=True, store_final_state=True, state_v_first=v_first, block_v=bv, **opts,
                 ),
-                entry="gdn_fwd_fused_varlen" if varlen else "gdn_fwd_fused",
+                entry=entry,
                 # TMA loads into mbarriers, register hand-off between warpgroups
-                expect=("wgmma", "tma_load", "warpgroup_reg_alloc"),
+                expect=expect,
             )
         )
     return cases

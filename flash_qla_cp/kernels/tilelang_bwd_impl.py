@@ -57,6 +57,7 @@ import torch
 
 from .tilelang_common import (CHUNK, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang, kernel_operand,
                               state_kv_layout, tl_dtype)
+from .tilelang_common import chunk_offsets as chunk_offsets_of
 
 LOG2E = 1.4426950408889634
 
@@ -830,9 +831,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         ctab, chunk_offsets = dense_tabs["seq_chunk_table"], dense_tabs["seq_chunk_offsets"]
     else:
         ctab = ctab if ctab is not None else chunk_table(cu)
-        n_chunks = ((cu[1:] - cu[:-1]).to(torch.int64) + CHUNK - 1) // CHUNK
-        chunk_offsets = torch.zeros(N + 1, dtype=torch.int32, device=dev)
-        chunk_offsets[1:] = torch.cumsum(n_chunks, 0).to(torch.int32)
+        chunk_offsets = chunk_offsets_of(cu)
     NC = int(ctab.shape[0])
 
     use_h0 = user_h0 or split is not None
@@ -849,15 +848,23 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     specs = bwd_kernel_specs(H, HV, K, V, dt, scale, use_h0, use_dht or split is not None, block_v, dh_kernel,
                              h_kernel)
     fused_walk = fused_walk_wanted(N * HV, K, V, sms)
-    k_h = compile_kernel(specs[0][0], **specs[0][1])
+    # the chunk states and v residuals: from the forward when it kept them (save_states),
+    # else recomputed by the h walk
+    h_st = _saved_tensor(saved, "h_states", (NC, *sdims))
+    vres = _saved_tensor(saved, "vres", (1, Ttot, HV, V))
+    states_saved = h_st is not None and vres is not None and h_st.dtype == dt and vres.dtype == dt
+    if not states_saved:
+        h_st = _empty(NC, *sdims, dtype=dt, device=dev)
+        vres = _empty(1, Ttot, HV, V, dtype=dt, device=dev)
+    k_h = None if states_saved else compile_kernel(specs[0][0], **specs[0][1])
     k_dh = k_grad = None  # the fused walk replaces the full dh walk and the grad kernel
     if not fused_walk:
         k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs[1:])
 
-    h_st = _empty(NC, *sdims, dtype=dt, device=dev)
-    dh_st = _empty(NC, *sdims, dtype=dt, device=dev)
-    vres = _empty(1, Ttot, HV, V, dtype=dt, device=dev)
-    dvn = _empty(1, Ttot, HV, V, dtype=dt, device=dev)
+    # dh and dvn reach memory only from the dh walks (the fused walk keeps them on chip)
+    dh_walk = split is not None or not fused_walk
+    dh_st = _empty(NC if dh_walk else 1, *sdims, dtype=dt, device=dev)
+    dvn = _empty(1, Ttot if dh_walk else 1, HV, V, dtype=dt, device=dev)
     dv = _empty(1, Ttot, HV, V, dtype=dt, device=dev)
     dh0 = _empty(N if use_h0 else 1, *sdims, dtype=torch.float32, device=dev)
     dq = _empty(1, Ttot, H, K, dtype=dt, device=dev)
@@ -869,7 +876,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         if split is not None:
             from .tilelang_split import scan_partitions
 
-            k_h(kf, vf, ag, gcum, cu, chunk_offsets, split["S_in"], h_st, vres)
+            if not states_saved:
+                k_h(kf, vf, ag, gcum, cu, chunk_offsets, split["S_in"], h_st, vres)
             # the gradient reaching each partition's start from its own outputs: only its first
             # chunks matter until the gates have decayed by e^-16 (`dh_warmup_chunks`); what
             # this pass writes besides dh0 is overwritten by the full pass below
@@ -889,7 +897,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
                 k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, exit_grad, dh_st, dvn, dv, dh0)
             dh0 = dh0.index_select(0, split["first_parts"]) if user_h0 else dh0
         else:
-            k_h(kf, vf, ag, gcum, cu, chunk_offsets, h0, h_st, vres)
+            if not states_saved:
+                k_h(kf, vf, ag, gcum, cu, chunk_offsets, h0, h_st, vres)
             if fused_walk:
                 _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, dhtf, use_dht, use_h0,
                             scale, dq, dk, dv, dg, db, dh0)
@@ -961,17 +970,22 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_
     dq_part = torch.empty(1, Ttot, HV, K, dtype=qf.dtype, device=qf.device)
     dk_part = torch.empty_like(dq_part)
     kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, dq_part, dk_part, dv, dg, db, dh0)
-    sum_v_head_parts(dq_part.view(1, Ttot, H, HV // H, K), dq)
-    sum_v_head_parts(dk_part.view(1, Ttot, H, HV // H, K), dk)
+    from .tilelang_v_head_sum import build_v_head_sum_kernel
+
+    group = HV // H
+    summed = compile_kernel(build_v_head_sum_kernel, H=H, group=group, K=K, dtype=tl_dtype(qf.dtype))
+    summed(dq_part.view(Ttot, H, group, K), dk_part.view(Ttot, H, group, K), dq.view(Ttot, H, K),
+           dk.view(Ttot, H, K))
 
 
 def sum_v_head_parts(parts, out):
-    """out[..., h, :] = sum over j of parts[..., h, j, :], rounded once to out's dtype.
+    """out[..., h, :] = sum over j of parts[..., h, j, :], rounded once to out's dtype: the torch
+    form of `tilelang_v_head_sum` (its reference; the GPU backward runs the kernel).
 
-    torch.sum over that middle dimension of size HV / H took 0.27 ms per call at TP1 1 x 32k
-    (H200 profile: its generic reduction kernel), ~3x the time to read the parts once. With two
-    v-heads per qk-head (Qwen3-Next) one elementwise add does it: the bf16 / fp16 inputs are
-    added in fp32 and rounded once, exactly as torch.sum does, so the result is bitwise the same.
+    The bf16 / fp16 parts are added in fp32 in v-head order and rounded once, exactly as torch.sum
+    does, so the result is bitwise the same. (On the H200 at TP1 1 x 32k torch.sum over the
+    size-2 dimension took 0.27 ms per tensor, this add of two strided halves 0.18 ms, the kernel
+    reads each token's parts contiguously.)
     """
     group = parts.shape[-2]
     if group == 2:
@@ -1011,6 +1025,12 @@ def lowering_cases():
                                  h_kernel="ws")
         for (f, p), entry in zip(specs[:2], ("gdn_bwd_h", "gdn_bwd_dh")):
             cases.append((f"{entry}_ws_k{dim}_bv{bv}{'' if states else '_nostate'}", f, p, entry))
+    # the GVA sum of the fused walk's dq / dk parts
+    from .tilelang_v_head_sum import build_v_head_sum_kernel
+
+    for H, group, dim, dtype in ((16, 2, 128, "bfloat16"), (2, 4, 64, "float16")):
+        cases.append((f"gdn_v_head_sum_g{group}_{dtype}_k{dim}", build_v_head_sum_kernel,
+                      dict(H=H, group=group, K=dim, dtype=dtype), "gdn_v_head_sum"))
     # the fused walk (FUSED_WALK; with and without exit gradients / dh0, both head sizes)
     from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
 

@@ -168,3 +168,13 @@ def chunk_table(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     first = torch.cumsum(n_chunks, 0) - n_chunks
     local = torch.arange(total, device=cu.device) - first[seq_ids]
     return torch.stack([seq_ids, local], dim=1).to(torch.int32).contiguous()
+
+
+def chunk_offsets(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """[N + 1] int32: the index of each sequence's first chunk in the packed chunk order of
+    `chunk_table` (the last entry is the total), computed on the device of `cu_seqlens`."""
+    cu = cu_seqlens.to(torch.int64)
+    n_chunks = (cu[1:] - cu[:-1] + chunk - 1) // chunk
+    out = torch.zeros(cu.shape[0], dtype=torch.int32, device=cu.device)
+    out[1:] = torch.cumsum(n_chunks, 0).to(torch.int32)
+    return out

@@ -30,8 +30,10 @@ dict (all tensors contiguous, token-major like the inputs):
                         partition, fp32 [NP, HV, K, V]), M (transition of each partition) and
                         dh_walk_chunks (`decay_tables`)
 
-The chunk states h (state before each chunk) are not stored by the forward; the backward
-recomputes them (one pass of the fused kernel with `store_h`, or its own kernel).
+    saved["h_states"]: [NC, HV, K, V] q.dtype, the state entering each chunk (chunks of the
+                       partitions when split), and saved["vres"]: [B, T, HV, V] q.dtype,
+                       v - exp(G) k S; only with save_states=True (warp-specialised kernel).
+                       Without them the backward recomputes both (its h walk).
 States (initial / final) are fp32, [N, HV, K, V], or [N, HV, V, K] when state_v_first.
 
 Kernels
@@ -56,8 +58,8 @@ import math
 
 import torch
 
-from .tilelang_common import (CHUNK, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang, kernel_operand,
-                              state_kv_layout, tl_dtype)
+from .tilelang_common import (CHUNK, chunk_offsets, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang,
+                              kernel_operand, state_kv_layout, tl_dtype)
 
 LOG2E = 1.4426950408889634
 
@@ -388,20 +390,51 @@ def build_fused_fwd_kernel(
     return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, threads)
 
 
-def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, threads):
+def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, threads, store_states=False):
     """The fused forward's PrimFunc around `body` (the per-CTA walk of one sequence, v-head and
     V block): the argument list of the SPEC and the grid (NV, sequences, HV). Shared by the
-    single-warpgroup kernel and the warp-specialised one (`tilelang_fwd_ws.py`)."""
+    single-warpgroup kernel and the warp-specialised one (`tilelang_fwd_ws.py`).
+
+    store_states (warp-specialised body only) appends the outputs the backward would otherwise
+    recompute: h_st [NC, HV, K, V] dtype, the state entering each chunk, and vres [B, T, HV, V]
+    dtype, v - exp(G) (k S) (`tilelang_bwd_impl.build_bwd_h_kernel` writes the same two); chunk
+    c of sequence n is row chunk_offsets[n] + c (varlen: an int32 [N + 1] argument after them;
+    dense: b * ceil(T / 64) + c)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
     h_dims = (V, K) if state_v_first else (K, V)
     N0 = T.dynamic("n_h0")
     NT = T.dynamic("n_ht")
+    NC = T.dynamic("num_chunks")
 
     if is_varlen:
         Ttot = T.dynamic("num_tokens")
         N1 = T.dynamic("num_seqs_plus_one")
+
+        if store_states:
+
+            @T.prim_func
+            def gdn_fwd_fused_varlen_states(
+                q: T.Tensor((1, Ttot, H, K), dtype),
+                k: T.Tensor((1, Ttot, H, K), dtype),
+                v: T.Tensor((1, Ttot, HV, V), dtype),
+                ag: T.Tensor((1, Ttot, HV, C), dtype),
+                gc: T.Tensor((1, Ttot, HV), acc),
+                cu_seqlens: T.Tensor((N1,), "int32"),
+                h0: T.Tensor((N0, HV, *h_dims), acc),
+                o: T.Tensor((1, Ttot, HV, V), dtype),
+                ht: T.Tensor((NT, HV, *h_dims), acc),
+                h_st: T.Tensor((NC, HV, K, V), dtype),
+                vres: T.Tensor((1, Ttot, HV, V), dtype),
+                chunk_offsets: T.Tensor((N1,), "int32"),
+            ):
+                with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+                    s0 = cu_seqlens[n]
+                    body(q, k, v, ag, gc, h0, o, ht, 0, n, bhv, bv, s0, cu_seqlens[n + 1] - s0,
+                         h_st, vres, chunk_offsets[n])
+
+            return gdn_fwd_fused_varlen_states
 
         @T.prim_func
         def gdn_fwd_fused_varlen(
@@ -423,6 +456,26 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
 
     B = T.dynamic("batch")
     Tlen = T.dynamic("seq_len")
+
+    if store_states:
+
+        @T.prim_func
+        def gdn_fwd_fused_states(
+            q: T.Tensor((B, Tlen, H, K), dtype),
+            k: T.Tensor((B, Tlen, H, K), dtype),
+            v: T.Tensor((B, Tlen, HV, V), dtype),
+            ag: T.Tensor((B, Tlen, HV, C), dtype),
+            gc: T.Tensor((B, Tlen, HV), acc),
+            h0: T.Tensor((N0, HV, *h_dims), acc),
+            o: T.Tensor((B, Tlen, HV, V), dtype),
+            ht: T.Tensor((NT, HV, *h_dims), acc),
+            h_st: T.Tensor((NC, HV, K, V), dtype),
+            vres: T.Tensor((B, Tlen, HV, V), dtype),
+        ):
+            with T.Kernel(NV, B, HV, threads=threads) as (bv, bb, bhv):
+                body(q, k, v, ag, gc, h0, o, ht, bb, bb, bhv, bv, 0, Tlen, h_st, vres, bb * T.ceildiv(Tlen, C))
+
+        return gdn_fwd_fused_states
 
     @T.prim_func
     def gdn_fwd_fused(
@@ -504,6 +557,7 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
         state_v_first=bool(state_v_first), block_v=int(block_v),
     )
     opts = {k: v for k, v in fused_opts.items() if v is not None}
+    store_states = bool(opts.pop("store_states", False))
     factory = build_fused_fwd_kernel
     if opts.pop("warp_specialized", False):
         from .tilelang_fwd_ws import build_fused_fwd_ws_kernel
@@ -511,6 +565,10 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
         # of the single-warpgroup options only the ring depth applies (default 2)
         factory = build_fused_fwd_ws_kernel
         opts = {"num_stages": opts["num_stages"]} if opts.get("num_stages", 2) != 2 else {}
+        if store_states:
+            opts["store_states"] = True
+    elif store_states:
+        raise ValueError("store_states needs the warp-specialised forward (K <= 128)")
     fused.update(opts)
     return [
         (build_prepare_kernel, dict(H=H, HV=HV, K=K, dtype=dtype, is_varlen=bool(is_varlen))),
@@ -554,6 +612,7 @@ def tilelang_chunk_gated_delta_rule_fwd(
     fused_config=None,
     partitions=None,
     cu_seqlens_host=None,
+    save_states=False,
 ):
     """Chunked GDN forward on Hopper through TileLang.
 
@@ -564,7 +623,9 @@ def tilelang_chunk_gated_delta_rule_fwd(
     options: block_v, threads, num_stages, async_mma, o_store_smem) override the default tiles.
     `partitions` ('auto', an int P, or None / 'off'): cut long sequences into partitions run
     side by side (`tilelang_split`); `cu_seqlens_host` (list or CPU tensor) spares reading
-    cu_seqlens back from the GPU when splitting.
+    cu_seqlens back from the GPU when splitting. `save_states`: keep each chunk's entering state
+    and v - exp(G) k S in `saved` ("h_states", "vres") so that the backward does not recompute
+    them (warp-specialised kernel, K <= 128; ignored otherwise).
     """
     B, Tn, H, K, HV, V = _check_inputs(q, k, v, g, beta, cu_seqlens)
     if scale is None:
@@ -605,9 +666,11 @@ def tilelang_chunk_gated_delta_rule_fwd(
     if "block_v" not in cfg:  # the fused kernel's grid runs over partitions when split
         cfg.update(default_fused_config(plan.num_parts if plan else N, HV, V, _sm_count(q.device), K=K))
     saved["partitions"] = plan.num_parts if plan is not None else N
+    if save_states and cfg.get("warp_specialized", False):
+        cfg["store_states"] = True
     if plan is not None:
         o, final, split = _split_forward(q, k, v, ag, g_cum, float(scale), initial_state, output_final_state,
-                                         state_v_first, plan, cfg)
+                                         state_v_first, plan, cfg, saved)
         saved["split"] = split  # the backward runs over the same partitions
         return o, final, saved
 
@@ -626,19 +689,35 @@ def tilelang_chunk_gated_delta_rule_fwd(
     )[1]
     kern = compile_kernel(factory, **params)
     if Tn > 0 and N > 0:
+        states = ()
+        if cfg.get("store_states"):
+            n_chunks = chunk_tab.shape[0] if varlen else B * (-(-Tn // CHUNK))
+            states = _state_outputs(saved, n_chunks, v, K)
+            if varlen:
+                states += (chunk_offsets(cu),)
         if varlen:
-            kern(q, k, v, ag, g_cum, cu, h0, o, ht)
+            kern(q, k, v, ag, g_cum, cu, h0, o, ht, *states)
         else:
-            kern(q, k, v, ag, g_cum, h0, o, ht)
+            kern(q, k, v, ag, g_cum, h0, o, ht, *states)
     elif output_final_state:
         ht.copy_(h0 if use_h0 else torch.zeros_like(ht))
     return o, (ht if output_final_state else None), saved
 
 
-def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state, state_v_first, plan, cfg):
+def _state_outputs(saved, n_chunks, v, K):
+    """Allocate the chunk states and v residuals the fused kernel writes with store_states, keep
+    them in `saved` for the backward and return them as kernel arguments."""
+    B, Tn, HV, V = v.shape
+    saved["h_states"] = torch.empty(n_chunks, HV, K, V, dtype=v.dtype, device=v.device)
+    saved["vres"] = torch.empty(B, Tn, HV, V, dtype=v.dtype, device=v.device)
+    return saved["h_states"], saved["vres"]
+
+
+def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state, state_v_first, plan, cfg, saved):
     """The forward with sequences cut into partitions (see `tilelang_split`), after the prepare
     kernel: (h, M) per partition, GPU scan for each partition's incoming state, then the fused
-    kernel (tiles `cfg`) over the partitions. Returns (o, final state or None, saved["split"])."""
+    kernel (tiles `cfg`) over the partitions. Returns (o, final state or None, saved["split"]);
+    with cfg["store_states"] the chunk states go to `saved` (`_state_outputs`)."""
     from .tilelang_split import decay_tables, scan_partitions, state_summaries
 
     B, Tn, H, K = q.shape
@@ -661,7 +740,10 @@ def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state,
     kern = compile_kernel(factory, **params)
     o = torch.empty(1, B * Tn, HV, V, dtype=q.dtype, device=dev)
     ht = torch.empty(plan.num_parts if output_final_state else 1, HV, K, V, dtype=torch.float32, device=dev)
-    kern(qf, kf, vf, agf, gf, idx["part_cu"], s_in, o, ht)
+    states = ()
+    if cfg.get("store_states"):
+        states = (*_state_outputs(saved, int(idx["part_chunk_table"].shape[0]), vf, K), idx["part_chunk_offsets"])
+    kern(qf, kf, vf, agf, gf, idx["part_cu"], s_in, o, ht, *states)
     final = state_kv_layout(ht.index_select(0, idx["last_parts"]), state_v_first) if output_final_state else None
     split = {
         "part_cu": idx["part_cu"],

@@ -39,6 +39,7 @@ def build_fused_fwd_ws_kernel(
     block_v: int = 64,
     num_stages: int = 2,
     trace: bool = False,
+    store_states: bool = False,
 ):
     """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N or B, HV),
     384 threads). num_stages: depth of the loader's ring (chunks loaded ahead).
@@ -46,7 +47,12 @@ def build_fused_fwd_ws_kernel(
     trace (a measurement build, not for use): thread 0 of the state and of the output
     warpgroup read clock64() at 8 points per chunk and write the 7 differences (cycles, as
     float) of chunk c to ht[n, h, :, v0:v0+BV] viewed flat, at [r * K * BV / 2 + 8 c + p]
-    (r = 0 state, 1 output; the first K * BV / 16 chunks); the final state is not stored."""
+    (r = 0 state, 1 output; the first K * BV / 16 chunks); the final state is not stored.
+
+    store_states: also write each chunk's entering state and v - exp(G) k S (the h walk's
+    outputs, `fused_fwd_entry`), so that the backward need not recompute them. The output
+    warpgroup copies them from the state warpgroup's shared tiles while it would otherwise wait
+    for v_new, before it releases those tiles (out_done)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -78,7 +84,7 @@ def build_fused_fwd_ws_kernel(
                     ht[n, bhv, f // BV, v0 + f % BV] = T.cast(st[p + 1] - st[p], "float32")
 
     @T.macro
-    def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len):
+    def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0):
         bh = bhv // G
         v0 = bv * BV
         # ring of NS stages filled by the loader
@@ -190,12 +196,21 @@ def build_fused_fwd_ws_kernel(
                 T.barrier_wait(h_ready, c % 2)
                 stamp(st, 3)
                 T.gemm(q_s[s, :, :], h_s, o_f, clear_accum=True)
+                if store_states:
+                    T.copy(h_s, h_st[c_base + c, bhv, :, v0 : v0 + BV])
                 for i, j in T.Parallel(C, BV):
                     o_f[i, j] = o_f[i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale)
                 stamp(st, 4)
                 T.barrier_wait(vn_ready, c % 2)
                 stamp(st, 5)
                 T.gemm(p_s, vn_s, o_f)
+                if store_states:  # w_s is complete once v_new is (state warpgroup: w, then Ag w)
+                    if L == C:
+                        T.copy(w_s, vres[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
+                    else:
+                        for i, j in T.Parallel(C, BV):
+                            if i < L:
+                                vres[bb, t0 + i, bhv, v0 + j] = w_s[i, j]
                 T.barrier_arrive(out_done)
                 T.barrier_arrive(data_free[s])
                 stamp(st, 6)
@@ -223,4 +238,4 @@ def build_fused_fwd_ws_kernel(
                         g_s[s, i] = gc[bb, t0 + T.min(i, L - 1), bhv]
                     T.barrier_arrive(data_ready[s])
 
-    return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, 3 * WG)
+    return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, 3 * WG, store_states)

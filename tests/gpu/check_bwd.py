@@ -58,7 +58,7 @@ def reference_grads(x, cu, h0, dht, do, scale):
 
 
 def run_case(name, B, T, H, HV, K, V, dtype, lengths=None, with_h0=True, with_dht=True, state_v_first=False,
-             use_fwd_saved=False, seed=0, ref=True, block_v=None):
+             use_fwd_saved=False, seed=0, ref=True, block_v=None, save_states=False):
     x, cu, h0, dht, do = case_inputs(B, T, H, HV, K, V, dtype, lengths, with_h0, with_dht, seed)
     scale = K**-0.5
     h0_in = h0.transpose(-1, -2).contiguous() if (h0 is not None and state_v_first) else h0
@@ -67,8 +67,13 @@ def run_case(name, B, T, H, HV, K, V, dtype, lengths=None, with_h0=True, with_dh
     if use_fwd_saved:
         from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
 
+        if save_states:  # the states the forward keeps must all be written: free memory is NaN
+            torch.full(((1 << 30) // 4,), float("nan"), device="cuda")
         _, _, saved = tilelang_chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, h0_in,
-                                                           True, cu, state_v_first=state_v_first)
+                                                           True, cu, state_v_first=state_v_first,
+                                                           save_states=save_states)
+        if save_states:
+            assert "h_states" in saved and "vres" in saved, "the forward did not keep its states"
     runs = []
     for _ in range(2):
         bwd.POISON_BUFFERS = True
@@ -81,7 +86,7 @@ def run_case(name, B, T, H, HV, K, V, dtype, lengths=None, with_h0=True, with_dh
     got, again = runs
     res = {"name": name, "B": B, "T": T, "H": H, "HV": HV, "K": K, "V": V, "dtype": str(dtype),
            "lengths": lengths, "initial_state": with_h0, "dht": with_dht, "state_v_first": state_v_first,
-           "fwd_saved": use_fwd_saved, "block_v": block_v}
+           "fwd_saved": use_fwd_saved, "block_v": block_v, "save_states": save_states}
     res["deterministic"] = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, again))
     res["nondeterministic_outputs"] = [n for n, a, b in zip(NAMES, got, again)
                                        if not ((a is None and b is None) or torch.equal(a, b))]
@@ -133,6 +138,18 @@ CASES = [
                                         lengths=[1, 63, 64, 65, 200, 517, 1033], block_v=64, seed=3)),
     ("varlen_bf16_h2hv4_vfirst", dict(B=1, T=333, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
                                       lengths=[63, 1, 129, 140], state_v_first=True)),
+    # the backward reading the chunk states the forward kept (save_states)
+    ("dense_bf16_h2hv4_T300_states", dict(B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                          use_fwd_saved=True, save_states=True, seed=5)),
+    ("varlen_bf16_h2hv4_odd_states", dict(B=1, T=1943, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                          lengths=[1, 63, 64, 65, 200, 517, 1033], use_fwd_saved=True,
+                                          save_states=True, seed=6)),
+    ("varlen_bf16_h2hv4_vfirst_states", dict(B=1, T=333, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                             lengths=[63, 1, 129, 140], state_v_first=True, use_fwd_saved=True,
+                                             save_states=True, seed=7)),
+    ("varlen_bf16_h16hv32_odd_states", dict(B=1, T=20101, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16,
+                                            lengths=[5000, 3, 7001, 4000, 4097], with_h0=False, with_dht=False,
+                                            use_fwd_saved=True, save_states=True, seed=8)),
     ("dense_fp16_h2hv4_T1000", dict(B=1, T=1000, H=2, HV=4, K=128, V=128, dtype=torch.float16)),
     ("dense_bf16_k64_T700", dict(B=2, T=700, H=2, HV=4, K=64, V=64, dtype=torch.bfloat16)),
     ("dense_bf16_mha_nostate", dict(B=1, T=777, H=4, HV=4, K=128, V=128, dtype=torch.bfloat16, with_h0=False,
@@ -144,15 +161,39 @@ CASES = [
 ]
 
 
+def check_v_head_sum():
+    """The GVA sum kernel against its torch form, bitwise (odd token counts, groups 2 and 4)."""
+    from flash_qla_cp.kernels.tilelang_common import compile_kernel
+    from flash_qla_cp.kernels.tilelang_v_head_sum import build_v_head_sum_kernel
+
+    res = {"name": "v_head_sum_kernel_vs_torch", "cases": []}
+    for T, H, group, K, dtype in ((20101, 16, 2, 128, torch.bfloat16), (3, 16, 2, 128, torch.bfloat16),
+                                  (777, 2, 4, 64, torch.float16)):
+        parts = [(4 * torch.randn(T, H, group, K, device="cuda")).to(dtype) for _ in range(2)]
+        got = [torch.full((T, H, K), float("nan"), device="cuda", dtype=dtype) for _ in range(2)]
+        kern = compile_kernel(build_v_head_sum_kernel, H=H, group=group, K=K, dtype=bwd.tl_dtype(dtype))
+        kern(*parts, *got)
+        want = [torch.empty_like(g) for g in got]
+        for p_, w in zip(parts, want):
+            bwd.sum_v_head_parts(p_, w)
+        res["cases"].append({"T": T, "H": H, "group": group, "K": K, "dtype": str(dtype),
+                             "bitwise": all(torch.equal(a, b) for a, b in zip(got, want))})
+    res["pass"] = all(c["bitwise"] for c in res["cases"])
+    return res
+
+
 def specs_for(kw):
     K, V = kw["K"], kw["V"]
     out = bwd.bwd_kernel_specs(kw["H"], kw["HV"], K, V, kw["dtype"], K**-0.5, kw.get("with_h0", True),
                                kw.get("with_dht", True), kw.get("block_v"))
-    from flash_qla_cp.kernels.tilelang_fwd import build_prepare_kernel, fwd_kernel_specs
+    from flash_qla_cp.kernels.tilelang_fwd import build_prepare_kernel, default_fused_config, fwd_kernel_specs
 
-    if kw.get("use_fwd_saved"):
+    if kw.get("use_fwd_saved"):  # the tiles the forward picks on an H200 (132 SMs)
+        n_seqs = len(kw["lengths"]) if kw.get("lengths") else kw["B"]
+        cfg = default_fused_config(n_seqs, kw["HV"], V, 132, K=K)
         out += fwd_kernel_specs(kw["H"], kw["HV"], K, V, kw["dtype"], K**-0.5, kw.get("lengths") is not None,
-                                kw.get("with_h0", True), True, kw.get("state_v_first", False))
+                                kw.get("with_h0", True), True, kw.get("state_v_first", False), **cfg,
+                                store_states=kw.get("save_states", False))
     else:
         out.append((build_prepare_kernel, dict(H=kw["H"], HV=kw["HV"], K=K, dtype=bwd.tl_dtype(kw["dtype"]),
                                                is_varlen=True)))
@@ -279,6 +320,7 @@ def main():
     ap.add_argument("--h-kernel", default=None, choices=bwd.WALK_KERNELS, help="the h walk the checks use")
     ap.add_argument("--fused-walk", default=None, choices=("auto", "on", "off"),
                     help="dh walk + grad kernel as one fused walk: where it fills the GPU, always, never")
+    ap.add_argument("--cases", default=None, help="comma-separated case names: run only those")
     args = ap.parse_args()
     if args.dh_kernel:
         bwd.DEFAULT_DH_KERNEL = args.dh_kernel
@@ -289,6 +331,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     start = time.time()
     cases = CASES[:3] if args.quick else CASES
+    # --cases=a,b runs only those
+    if args.cases:
+        cases = [c for c in CASES if c[0] in args.cases.split(",")]
     if args.bench_only:
         cases = []
 
@@ -322,6 +367,9 @@ def main():
         with open(os.path.join(args.out, "bench_bwd.json" if args.bench_only else "check_bwd.json"), "w") as f:
             json.dump(summary, f, indent=1)
 
+    if any(kw["HV"] > kw["H"] for _, kw in cases):
+        summary["v_head_sum"] = check_v_head_sum()
+        print(json.dumps(summary["v_head_sum"]), flush=True)
     for name, kw in cases:
         t1 = time.time()
         try:
@@ -333,7 +381,8 @@ def main():
         print(json.dumps(r), flush=True)
         torch.cuda.empty_cache()
         dump()
-    summary["all_pass"] = all(r["pass"] for r in summary["results"])
+    summary["all_pass"] = (all(r["pass"] for r in summary["results"])
+                           and summary.get("v_head_sum", {"pass": True})["pass"])
     dump()
     # timing is meaningful as long as the kernels write finite, deterministic results
     sane = all(r.get("deterministic") and not r.get("nan") for r in summary["results"])
