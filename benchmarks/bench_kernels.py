@@ -168,6 +168,7 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
 
         intra = "off" if lib == "ours_nosplit" else "auto"
         keep = lib != "ours_recompute"
+        cu_cpu = None if cu is None else cu.to(torch.int32).cpu()  # as FLA gets it: no read-back
 
         def fwd():
             if ours_cfg:  # a tuned fused-kernel tile (--ours-tune): the kernels called directly
@@ -175,13 +176,13 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
                                                            fused_config=ours_cfg, partitions=intra)[:2]
             with torch.no_grad():
                 return ours_op(q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu32,
-                               backend="tilelang", intra_cp=intra)
+                               backend="tilelang", intra_cp=intra, cu_seqlens_cpu=cu_cpu)
 
         ins = grads_inputs()
 
         def fwdbwd():
             o, _ = ours_op(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32, backend="tilelang",
-                           intra_cp=intra, save_states=keep)
+                           intra_cp=intra, save_states=keep, cu_seqlens_cpu=cu_cpu)
             backward(o, ins)
 
         return fwd, fwdbwd

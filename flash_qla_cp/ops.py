@@ -59,7 +59,7 @@ def chunk_gated_delta_rule_fwd(
     save_states: the TileLang forward keeps every chunk's entering state in ctx for `_bwd`
     (see `chunk_gated_delta_rule`); leave it False when no backward follows.
     """
-    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first)
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     if not is_intra_option(intra_cp):
         raise ValueError(f"chunk_gated_delta_rule: intra_cp must be 'auto', 'off' or a positive int, got {intra_cp!r}")
     if scale is None:
@@ -190,7 +190,9 @@ def chunk_gated_delta_rule(
         output_final_state: also return the final state of every sequence.
         use_qk_l2norm_in_kernel: l2-normalise q and k over K first.
         cu_seqlens: [N + 1] int offsets of packed sequences (B must be 1).
-        cu_seqlens_cpu: accepted for FLA compatibility; a CPU copy of cu_seqlens.
+        cu_seqlens_cpu: a CPU copy of cu_seqlens (FLA's argument): the offsets are then read
+            from it, never back from the GPU, so a varlen call makes no host sync and can be
+            captured in a CUDA graph.
         backend: 'auto' (TileLang on Hopper, torch elsewhere), 'torch' or 'tilelang'.
         cp_context: a `flash_qla_cp.parallel.CPContext`; then q, k, v, g, beta are this rank's
             slice of the packed global batch and the call runs context-parallel (see

@@ -11,8 +11,13 @@ def _fail(message: str):
     raise ValueError(f"chunk_gated_delta_rule: {message}")
 
 
-def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_first=False) -> int:
-    """Validate shapes, dtypes, devices and cu_seqlens; return the number of sequences N."""
+def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_first=False,
+                 cu_seqlens_cpu=None) -> int:
+    """Validate shapes, dtypes, devices and cu_seqlens; return the number of sequences N.
+
+    With `cu_seqlens_cpu` (the caller's host copy, as FLA takes it) the offsets are checked on
+    that copy, so a GPU cu_seqlens is not read back: no host sync, and the call can be captured
+    in a CUDA graph. The copy must hold the same offsets; only its length is compared."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -36,7 +41,13 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
 
     num_seqs = B
     if cu_seqlens is not None:
-        num_seqs = check_cu_seqlens(cu_seqlens, B, T)
+        host = cu_seqlens if cu_seqlens_cpu is None or cu_seqlens.device.type == "cpu" else cu_seqlens_cpu
+        if host is not cu_seqlens and (not isinstance(host, torch.Tensor) or host.device.type != "cpu"
+                                       or host.shape != cu_seqlens.shape):
+            _fail(f"cu_seqlens_cpu must be a CPU tensor of cu_seqlens' shape {tuple(cu_seqlens.shape)}")
+        num_seqs = check_cu_seqlens(host, B, T)
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            _fail("cu_seqlens must be an int32/int64 tensor [N+1]")
     if initial_state is not None:
         V = v.shape[3]
         expected = (num_seqs, HV, V, K) if state_v_first else (num_seqs, HV, K, V)

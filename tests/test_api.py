@@ -184,6 +184,21 @@ def test_bad_cu_seqlens(edges):
         chunk_gated_delta_rule(**_good(), cu_seqlens=torch.tensor(edges, dtype=torch.int32))
 
 
+def test_device_cu_seqlens_is_checked_on_its_host_copy():
+    # a GPU cu_seqlens with cu_seqlens_cpu is validated on the host copy (no read-back, so the
+    # call can be captured in a CUDA graph); a "meta" tensor stands in for the GPU one here: it
+    # has no values, so reading it back would fail
+    from flash_qla_cp.validation import check_inputs
+
+    x = _good()
+    on_device = torch.empty(3, dtype=torch.int32, device="meta")
+    assert check_inputs(**x, cu_seqlens=on_device, cu_seqlens_cpu=torch.tensor([0, 5, 16], dtype=torch.int32)) == 2
+    with pytest.raises(ValueError, match="cu_seqlens_cpu must be a CPU tensor"):
+        check_inputs(**x, cu_seqlens=on_device, cu_seqlens_cpu=torch.tensor([0, 16], dtype=torch.int32))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        check_inputs(**x, cu_seqlens=on_device, cu_seqlens_cpu=torch.tensor([0, 17, 16], dtype=torch.int32))
+
+
 def test_float_cu_seqlens_rejected():
     with pytest.raises(ValueError, match="int32"):
         chunk_gated_delta_rule(**_good(), cu_seqlens=torch.tensor([0.0, 16.0]))

@@ -51,8 +51,9 @@ def build_fused_fwd_ws_kernel(
 
     store_states: also write each chunk's entering state and v - exp(G) k S (the h walk's
     outputs, `fused_fwd_entry`), so that the backward need not recompute them. The output
-    warpgroup copies them from the state warpgroup's shared tiles while it would otherwise wait
-    for v_new, before it releases those tiles (out_done)."""
+    warpgroup TMA-stores them from the state warpgroup's shared tiles as soon as they are
+    published and waits for the stores to have read them only before it releases the tiles
+    (out_done)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -195,22 +196,24 @@ def build_fused_fwd_ws_kernel(
                 stamp(st, 2)
                 T.barrier_wait(h_ready, c % 2)
                 stamp(st, 3)
+                if store_states:  # TMA store, waited for (smem read) only before out_done
+                    T.tma_copy(h_s, h_st[c_base + c, bhv, :, v0 : v0 + BV])
                 T.gemm(q_s[s, :, :], h_s, o_f, clear_accum=True)
-                if store_states:
-                    T.copy(h_s, h_st[c_base + c, bhv, :, v0 : v0 + BV])
                 for i, j in T.Parallel(C, BV):
                     o_f[i, j] = o_f[i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale)
                 stamp(st, 4)
                 T.barrier_wait(vn_ready, c % 2)
                 stamp(st, 5)
-                T.gemm(p_s, vn_s, o_f)
                 if store_states:  # w_s is complete once v_new is (state warpgroup: w, then Ag w)
                     if L == C:
-                        T.copy(w_s, vres[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
+                        T.tma_copy(w_s, vres[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
                     else:
                         for i, j in T.Parallel(C, BV):
                             if i < L:
                                 vres[bb, t0 + i, bhv, v0 + j] = w_s[i, j]
+                T.gemm(p_s, vn_s, o_f)
+                if store_states:  # the stores have read h_s / w_s before they are released
+                    T.tma_store_wait(0)
                 T.barrier_arrive(out_done)
                 T.barrier_arrive(data_free[s])
                 stamp(st, 6)
