@@ -16,13 +16,14 @@ from .inter import InterCP, OpEngine
 from .intra import IntraEngine
 
 
-def local_engine(cp: CPContext, backend, q, v):
+def local_engine(cp: CPContext, backend, q, v, save_states=False):
     """The per-rank engine: on the TileLang backend the intra-card split runs inside the kernels
-    (exact, GPU-side scan); elsewhere the parallel.intra engine splits around the op."""
+    (exact, GPU-side scan); elsewhere the parallel.intra engine splits around the op.
+    save_states: keep the forward's chunk states for the backward (TileLang)."""
     if cp.intra == "off":
-        return OpEngine(backend)
+        return OpEngine(backend, save_states=save_states)
     if choose_backend(backend, q, v) == "tilelang":
-        return OpEngine(backend, intra_cp=cp.intra)
+        return OpEngine(backend, intra_cp=cp.intra, save_states=save_states)
     return IntraEngine(OpEngine(backend), force=cp.intra, exact=cp.intra_exact, threshold=cp.intra_threshold,
                        window=cp.intra_window)
 
@@ -54,7 +55,10 @@ def cp_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, 
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     h0 = initial_state.transpose(-1, -2) if (state_v_first and initial_state is not None) else initial_state
-    o, final = InterCP.apply(q, k, v, g, beta, h0, cp, local_engine(cp, backend, q, v), scale, output_final_state)
+    # as the plain op: the forward keeps its chunk states when a backward will need them
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, h0))
+    engine = local_engine(cp, backend, q, v, save_states=needs_grad)
+    o, final = InterCP.apply(q, k, v, g, beta, h0, cp, engine, scale, output_final_state)
     if final is not None and state_v_first:
         final = final.transpose(-1, -2)
     return o, final

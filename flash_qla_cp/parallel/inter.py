@@ -28,13 +28,15 @@ from .transition import segment_transitions
 class OpEngine:
     """Local compute = the library op on one rank's segments (torch on CPU, TileLang on Hopper)."""
 
-    def __init__(self, backend="auto", intra_cp="off"):
-        self.backend, self.intra_cp = backend, intra_cp
+    def __init__(self, backend="auto", intra_cp="off", save_states=False):
+        # save_states: the TileLang forward keeps its chunk states for `bwd` (only worth it when
+        # a backward follows; see ops.chunk_gated_delta_rule)
+        self.backend, self.intra_cp, self.save_states = backend, intra_cp, save_states
 
     def fwd(self, q, k, v, g, beta, scale, h0, cu_seqlens):
         return ops.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
                                               output_final_state=True, cu_seqlens=cu_seqlens, backend=self.backend,
-                                              intra_cp=self.intra_cp)
+                                              intra_cp=self.intra_cp, save_states=self.save_states)
 
     def bwd(self, do, dht, ctx):
         return ops.chunk_gated_delta_rule_bwd(do, dht, ctx)
