@@ -237,7 +237,9 @@ def chunk_gated_delta_rule(
         backend=backend,
         intra_cp=intra_cp,
         cu_seqlens_cpu=cu_seqlens_cpu,
-        save_states=bool(save_states),
+        # only when autograd will record this call (not under no_grad, e.g. the first pass of
+        # activation checkpointing): the states would be dropped unused
+        save_states=bool(save_states) and torch.is_grad_enabled(),
     )
     return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, options)
 

@@ -110,6 +110,9 @@ def test_states_are_kept_only_when_a_backward_will_run(monkeypatch):
     assert asked == [True, False, False]
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+    with torch.no_grad():  # nothing is recorded, e.g. activation checkpointing's first pass
+        chunk_gated_delta_rule(**{n: t.clone().requires_grad_(True) for n, t in x.items()})
+    assert asked[-1] is False
 
 
 def test_l2norm_option_equals_normalising_first():
