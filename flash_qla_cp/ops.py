@@ -221,7 +221,7 @@ def chunk_gated_delta_rule(
 
         return cp_chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            cu_seqlens, state_v_first, backend, cp_context=cp_context,
+            cu_seqlens, state_v_first, backend, cp_context=cp_context, save_states=save_states,
         )
     if intra_cp != "off" and choose_backend(backend, q, v) != "tilelang":
         split = _intra_card_call(q, k, v, g, beta, scale, initial_state, output_final_state,

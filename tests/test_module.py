@@ -230,6 +230,22 @@ def test_no_cp_context_argument_reaches_the_op_without_cp(monkeypatch):
     assert seen == [False]
 
 
+def test_save_states_option_reaches_the_op(monkeypatch):
+    import flash_qla_cp.modules.gated_deltanet as gdn_mod
+
+    seen = []
+    real = gdn_mod.chunk_gated_delta_rule
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("save_states"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gdn_mod, "chunk_gated_delta_rule", spy)
+    _layer()(_x(1, 5))
+    _layer(save_states=False)(_x(1, 5))
+    assert seen == [True, False]
+
+
 @pytest.mark.parametrize("intra", ["off", 3])
 def test_single_process_cp_context_matches_plain_forward(intra):
     from flash_qla_cp.parallel import CPContext

@@ -89,6 +89,9 @@ class GatedDeltaNet(nn.Module):
             partitions per sequence).
         proj_layout: 'qwen3_next' (grouped in_proj_qkvz / in_proj_ba) or 'qwen3_5' (separate
             in_proj_qkv / in_proj_z / in_proj_b / in_proj_a); the math is the same.
+        save_states: passed to `chunk_gated_delta_rule` (True: the TileLang forward keeps its
+            chunk states for the backward, faster; False: the backward recomputes them, less
+            memory held between forward and backward).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class GatedDeltaNet(nn.Module):
         backend: str = "auto",
         proj_layout: str = "qwen3_next",
         intra_cp="auto",
+        save_states: bool = True,
         device=None,
         dtype=None,
     ):
@@ -135,6 +139,7 @@ class GatedDeltaNet(nn.Module):
         self.layer_idx = layer_idx
         self.backend = backend
         self.intra_cp = intra_cp
+        self.save_states = bool(save_states)
         self.proj_layout = proj_layout
         self.key_dim = num_heads * head_k_dim
         self.value_dim = num_v_heads * head_v_dim
@@ -249,6 +254,7 @@ class GatedDeltaNet(nn.Module):
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu_seqlens,
             backend=self.backend,
+            save_states=self.save_states,
             **extra,
         )
 

@@ -30,12 +30,13 @@ def local_engine(cp: CPContext, backend, q, v, save_states=False):
 
 def cp_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_v_first=False,
-                              backend="auto", cp_context: CPContext | None = None):
+                              backend="auto", cp_context: CPContext | None = None, save_states=True):
     """The public op under CP. q, k, v, g, beta are this rank's [1, T_global / world, ...] slice.
 
     initial_state: [N_global, HV, K, V] (same on every rank) or None. Returns (o local,
     final_state [N_global, ...] identical on every rank, or None). See docs/context_parallel.md
     for how gradients of the replicated initial/final states are split over ranks.
+    save_states: as in `chunk_gated_delta_rule` (TileLang: keep the chunk states for the backward).
     """
     cp = cp_context
     if not isinstance(cp, CPContext):
@@ -57,7 +58,7 @@ def cp_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, 
     h0 = initial_state.transpose(-1, -2) if (state_v_first and initial_state is not None) else initial_state
     # as the plain op: the forward keeps its chunk states when a backward will need them
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, h0))
-    engine = local_engine(cp, backend, q, v, save_states=needs_grad)
+    engine = local_engine(cp, backend, q, v, save_states=bool(save_states) and needs_grad)
     o, final = InterCP.apply(q, k, v, g, beta, h0, cp, engine, scale, output_final_state)
     if final is not None and state_v_first:
         final = final.transpose(-1, -2)
