@@ -21,7 +21,10 @@ from flash_qla_cp.kernels.tilelang_fwd import fwd_kernel_specs, prepare_fwd  # n
 
 def opts(var):
     """'bv:stages:async:threads:osmem' -> single-warpgroup kernel options; 'ws<bv>[s<stages>]'
-    -> the warp-specialised kernel with that block_v (and ring depth)."""
+    -> the warp-specialised kernel with that block_v (and ring depth); 'wg4-<bv>' -> the
+    four-warpgroup kernel (tilelang_fwd_ws4.py)."""
+    if var.startswith("wg4-"):
+        return dict(warp_specialized=True, four_warpgroups=True, block_v=int(var[4:]))
     if var.startswith("ws"):  # ws<bv>, ws<bv>s<stages>
         bv, _, st = var[2:].partition("s")
         return dict(warp_specialized=True, block_v=int(bv), **({"num_stages": int(st)} if st else {}))

@@ -29,6 +29,7 @@ from bench_kernels import graphed, shape_inputs  # noqa: E402
 
 from flash_qla_cp import chunk_gated_delta_rule  # noqa: E402
 from flash_qla_cp.kernels import tilelang_bwd_impl as bwd_impl  # noqa: E402
+from flash_qla_cp.kernels.tilelang_fwd import switches as fwd_switch  # noqa: E402
 from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd  # noqa: E402
 from flash_qla_cp.ops import tilelang_backward_enabled  # noqa: E402
 
@@ -47,6 +48,8 @@ def main():
     ap.add_argument("--parts", default="1,2,4,8,16,32,auto")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--fwd-block-v", default="", help="comma list of ws block_v tiles to time the forward at")
+    ap.add_argument("--fwd-ws4", action="store_true",
+                    help="also time fwd and fwd+bwd with the four-warpgroup forward (FOUR_WARPGROUPS on)")
     ap.add_argument("--split-h-kernels", default="", help="comma list of h walks for the split backward")
     ap.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays of fwd and fwd+bwd")
     ap.add_argument("--fused-walk", action="store_true",
@@ -89,6 +92,9 @@ def main():
                                                                    partitions=parts, fused_config=cfg)
 
                     row[f"fwd_ms_bv{bv}"] = triton.testing.do_bench(fwd_tile, rep=args.rep, return_mode="median")
+                if args.fwd_ws4:
+                    with fwd_switch(FOUR_WARPGROUPS=True):
+                        row["fwd_ms_ws4"] = triton.testing.do_bench(fwd, rep=args.rep, return_mode="median")
                 if not args.no_bwd:
                     def fwdbwd():
                         o, _ = chunk_gated_delta_rule(*ins, cu_seqlens=cu, backend="tilelang", intra_cp=parts)
@@ -102,6 +108,9 @@ def main():
                     row["fwdbwd_ms"] = bench(fwdbwd)
                     if args.graphs:
                         row["fwdbwd_graph_ms"] = time_replay(fwdbwd, args.rep)
+                    if args.fwd_ws4:
+                        with fwd_switch(FOUR_WARPGROUPS=True):
+                            row["fwdbwd_ms_ws4"] = bench(fwdbwd)
                     for mode in ("on", "off") if args.fused_walk else ():
                         with bwd_impl.switches(FUSED_WALK=mode):
                             row[f"fwdbwd_ms_walk_{mode}"] = bench(fwdbwd)

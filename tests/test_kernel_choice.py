@@ -19,6 +19,22 @@ def test_default_tiles_fit_the_head_and_choose_a_kernel(n_seqs, HV, V, K):
 
 
 
+def test_four_warpgroup_forward_is_chosen_only_when_switched_on_and_its_grid_fills_the_gpu():
+    from flash_qla_cp.kernels import tilelang_fwd
+    from flash_qla_cp.kernels.tilelang_fwd_ws4 import build_fused_fwd_ws4_kernel
+
+    assert "four_warpgroups" not in tilelang_fwd.default_fused_config(4, 32, 128, 132)
+    with tilelang_fwd.switches(FOUR_WARPGROUPS=True):
+        cfg = tilelang_fwd.default_fused_config(4, 32, 128, 132)  # 128 blocks of 128-wide states
+        small = tilelang_fwd.default_fused_config(1, 32, 128, 132)  # 32 blocks: narrower tiles
+        k64 = tilelang_fwd.default_fused_config(4, 32, 64, 132, K=64)
+    assert cfg == {"warp_specialized": True, "four_warpgroups": True, "block_v": 128}
+    assert "four_warpgroups" not in small and "four_warpgroups" not in k64
+    factory, params = tilelang_fwd.fwd_kernel_specs(16, 32, 128, 128, torch.bfloat16, 0.1, True, True, True, **cfg,
+                                                    store_states=True)[1]
+    assert factory is build_fused_fwd_ws4_kernel and params["block_v"] == 128 and params["store_states"]
+
+
 def test_backward_walk_choice():
     from flash_qla_cp.kernels.tilelang_bwd_dh_ws import build_bwd_dh_ws_kernel
     from flash_qla_cp.kernels.tilelang_bwd_h_ws import build_bwd_h_ws_kernel

@@ -139,6 +139,24 @@ def _warp_specialized_cases() -> list[KernelCase]:
                 expect=expect,
             )
         )
+    # the four-warpgroup kernel (tilelang_fwd_ws4.py): a whole 128-wide state per block
+    from .tilelang_fwd_ws4 import build_fused_fwd_ws4_kernel
+
+    for bv, varlen, v_first, states in ((128, True, False, False), (128, False, True, True), (64, True, False, True)):
+        entry = ("gdn_fwd_fused_varlen" if varlen else "gdn_fwd_fused") + ("_states" if states else "")
+        cases.append(
+            KernelCase(
+                name=f"fwd_fused_ws4_k128_bv{bv}_{'varlen' if varlen else 'dense'}{'_states' if states else ''}",
+                factory=build_fused_fwd_ws4_kernel,
+                params=dict(
+                    H=2, HV=4, K=128, V=128, dtype="bfloat16", scale=128**-0.5, is_varlen=varlen,
+                    use_initial_state=True, store_final_state=True, state_v_first=v_first, block_v=bv,
+                    store_states=states,
+                ),
+                entry=entry,
+                expect=("wgmma", "tma_load", "warpgroup_reg_alloc") + (("tma_store",) if states else ()),
+            )
+        )
     return cases
 
 

@@ -49,14 +49,10 @@ not depend on dS); `DEFAULT_H_KERNEL` / `DEFAULT_DH_KERNEL` choose.
 No atomics anywhere: the result is bitwise deterministic.
 """
 
-
-
-import contextlib
-
 import torch
 
 from .tilelang_common import (CHUNK, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang, kernel_operand,
-                              state_kv_layout, tl_dtype)
+                              state_kv_layout, switched_globals, tl_dtype)
 from .tilelang_common import chunk_offsets as chunk_offsets_of
 
 LOG2E = 1.4426950408889634
@@ -941,17 +937,10 @@ def fused_walk_wanted(n_walks: int, K: int, V: int, sm_count: int, mode: str = N
     return mode == "on" or grid_fills_gpu(n_walks, sm_count)
 
 
-@contextlib.contextmanager
 def switches(**values):
-    """Set this module's kernel switches (FUSED_WALK, SPLIT_H_KERNEL, ...) for
-    the duration of a `with` block, then restore them: checks and benchmarks compare variants in
-    one process. A misspelt switch raises KeyError."""
-    old = {name: globals()[name] for name in values}
-    globals().update(values)
-    try:
-        yield
-    finally:
-        globals().update(old)
+    """Set this module's kernel switches (FUSED_WALK, SPLIT_H_KERNEL, ...) for the duration of a
+    `with` block, then restore them: checks and benchmarks compare variants in one process."""
+    return switched_globals(globals(), **values)
 
 
 def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, use_dht, store_dh0, scale,

@@ -14,6 +14,7 @@ a condition around a load becomes a branch per element (H200: ~1.3k cycles per s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -178,3 +179,15 @@ def chunk_offsets(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     out = torch.zeros(cu.shape[0], dtype=torch.int32, device=cu.device)
     out[1:] = torch.cumsum(n_chunks, 0).to(torch.int32)
     return out
+
+
+@contextlib.contextmanager
+def switched_globals(namespace: dict, **values):
+    """Set module-level kernel switches (names already in `namespace`, a module's globals())
+    for the duration of a `with` block, then restore them; a misspelt switch raises KeyError."""
+    old = {name: namespace[name] for name in values}
+    namespace.update(values)
+    try:
+        yield
+    finally:
+        namespace.update(old)

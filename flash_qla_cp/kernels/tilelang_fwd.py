@@ -59,7 +59,7 @@ import math
 import torch
 
 from .tilelang_common import (CHUNK, chunk_offsets, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang,
-                              kernel_operand, state_kv_layout, tl_dtype)
+                              kernel_operand, state_kv_layout, switched_globals, tl_dtype)
 
 LOG2E = 1.4426950408889634
 
@@ -520,6 +520,16 @@ def _check_inputs(q, k, v, g, beta, cu_seqlens):
     return B, Tn, H, K, HV, V
 
 
+# The four-warpgroup forward (`tilelang_fwd_ws4.py`: a whole 128-wide state per block) instead of
+# the three-warpgroup one where its grid fills the GPU. Off until measured on the H200.
+FOUR_WARPGROUPS = False
+
+
+def switches(**values):
+    """Set this module's kernel switches (FOUR_WARPGROUPS) inside a `with` block."""
+    return switched_globals(globals(), **values)
+
+
 def default_fused_config(n_seqs, HV, V, sm_count=132, K=128):
     """Tile choice for the fused kernel. Each CTA walks a whole sequence for one v-head and one
     V block, so with few (sequence, v-head) pairs narrower V blocks buy parallelism and a
@@ -534,6 +544,8 @@ def default_fused_config(n_seqs, HV, V, sm_count=132, K=128):
     pairs = n_seqs * HV
     if K > 128:
         return {"block_v": 32 if pairs * (V // 32) >= sm_count // 2 else 16, "threads": 128}
+    if FOUR_WARPGROUPS and V % 128 == 0 and grid_fills_gpu(pairs * (V // 128), sm_count):
+        return {"warp_specialized": True, "four_warpgroups": True, "block_v": 128}
     for bv in (64, 32):
         if V % bv == 0 and grid_fills_gpu(pairs * (V // bv), sm_count):
             return {"warp_specialized": True, "block_v": bv}
@@ -546,7 +558,9 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
 
     `fused_opts` go to `build_fused_fwd_kernel` (threads, num_stages, async_mma, o_store_smem);
     `warp_specialized=True` picks `tilelang_fwd_ws.build_fused_fwd_ws_kernel` instead (same
-    arguments; only block_v and num_stages apply to it).
+    arguments; only block_v and num_stages apply to it), with `four_warpgroups=True` too
+    `tilelang_fwd_ws4.build_fused_fwd_ws4_kernel` (the state chain over two warpgroups, for
+    block_v 128); `store_states` applies to both.
     """
     if block_v is None:
         block_v = 64 if V % 64 == 0 else V
@@ -559,11 +573,13 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
     opts = {k: v for k, v in fused_opts.items() if v is not None}
     store_states = bool(opts.pop("store_states", False))
     factory = build_fused_fwd_kernel
+    four_warpgroups = bool(opts.pop("four_warpgroups", False))
     if opts.pop("warp_specialized", False):
         from .tilelang_fwd_ws import build_fused_fwd_ws_kernel
+        from .tilelang_fwd_ws4 import build_fused_fwd_ws4_kernel
 
         # of the single-warpgroup options only the ring depth applies (default 2)
-        factory = build_fused_fwd_ws_kernel
+        factory = build_fused_fwd_ws4_kernel if four_warpgroups else build_fused_fwd_ws_kernel
         opts = {"num_stages": opts["num_stages"]} if opts.get("num_stages", 2) != 2 else {}
         if store_states:
             opts["store_states"] = True

@@ -58,7 +58,7 @@ def reference_grads(x, cu, h0, dht, do, scale):
 
 
 def run_case(name, B, T, H, HV, K, V, dtype, lengths=None, with_h0=True, with_dht=True, state_v_first=False,
-             use_fwd_saved=False, seed=0, ref=True, block_v=None, save_states=False):
+             use_fwd_saved=False, seed=0, ref=True, block_v=None, save_states=False, fwd_cfg=None):
     x, cu, h0, dht, do = case_inputs(B, T, H, HV, K, V, dtype, lengths, with_h0, with_dht, seed)
     scale = K**-0.5
     h0_in = h0.transpose(-1, -2).contiguous() if (h0 is not None and state_v_first) else h0
@@ -71,7 +71,7 @@ def run_case(name, B, T, H, HV, K, V, dtype, lengths=None, with_h0=True, with_dh
             torch.full(((1 << 30) // 4,), float("nan"), device="cuda")
         _, _, saved = tilelang_chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, h0_in,
                                                            True, cu, state_v_first=state_v_first,
-                                                           save_states=save_states)
+                                                           save_states=save_states, fused_config=fwd_cfg)
         if save_states:
             assert "h_states" in saved and "vres" in saved, "the forward did not keep its states"
     runs = []
@@ -150,6 +150,11 @@ CASES = [
     ("varlen_bf16_h16hv32_odd_states", dict(B=1, T=20101, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16,
                                             lengths=[5000, 3, 7001, 4000, 4097], with_h0=False, with_dht=False,
                                             use_fwd_saved=True, save_states=True, seed=8)),
+    ("varlen_bf16_h2hv4_odd_states_ws4", dict(B=1, T=1943, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                              lengths=[1, 63, 64, 65, 200, 517, 1033], use_fwd_saved=True,
+                                              save_states=True, seed=9,
+                                              fwd_cfg={"warp_specialized": True, "four_warpgroups": True,
+                                                       "block_v": 128})),
     ("dense_fp16_h2hv4_T1000", dict(B=1, T=1000, H=2, HV=4, K=128, V=128, dtype=torch.float16)),
     ("dense_bf16_k64_T700", dict(B=2, T=700, H=2, HV=4, K=64, V=64, dtype=torch.bfloat16)),
     ("dense_bf16_mha_nostate", dict(B=1, T=777, H=4, HV=4, K=128, V=128, dtype=torch.bfloat16, with_h0=False,
@@ -190,7 +195,7 @@ def specs_for(kw):
 
     if kw.get("use_fwd_saved"):  # the tiles the forward picks on an H200 (132 SMs)
         n_seqs = len(kw["lengths"]) if kw.get("lengths") else kw["B"]
-        cfg = default_fused_config(n_seqs, kw["HV"], V, 132, K=K)
+        cfg = kw.get("fwd_cfg") or default_fused_config(n_seqs, kw["HV"], V, 132, K=K)
         out += fwd_kernel_specs(kw["H"], kw["HV"], K, V, kw["dtype"], K**-0.5, kw.get("lengths") is not None,
                                 kw.get("with_h0", True), True, kw.get("state_v_first", False), **cfg,
                                 store_states=kw.get("save_states", False))

@@ -118,6 +118,15 @@ def run_case(name, B, T, H, HV, K, V, dtype, cu=None, with_h0=True, final=True, 
         res["o_rel_err"] <= tol and not res["o_nan"] and res["deterministic"]
         and (not final or (res["ht_rel_err"] <= tol and not res["ht_nan"]))
     )
+    if cfg and cfg.get("four_warpgroups"):  # same arithmetic as the three-warpgroup kernel: recorded
+        three = {key: val for key, val in cfg.items() if key != "four_warpgroups"}
+        o3, ht3, _ = tilelang_chunk_gated_delta_rule_fwd(
+            q, k, v, g, beta, scale=scale, initial_state=h0_in, output_final_state=final,
+            cu_seqlens=cu_t, state_v_first=state_v_first, fused_config=three,
+        )
+        if ht3 is not None and state_v_first:
+            ht3 = ht3.transpose(-1, -2)
+        res["bitwise_vs_three_warpgroups"] = bool(torch.equal(o, o3) and (ht is None or torch.equal(ht, ht3)))
     return res
 
 
@@ -157,6 +166,20 @@ CASES = [
     ("ws_bv128_varlen_odd", dict(B=1, T=1000, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
                                  cu=[0, 1, 65, 200, 777, 1000],
                                  cfg={"warp_specialized": True, "block_v": 128})),
+    # the four-warpgroup kernel (tilelang_fwd_ws4.py)
+    ("ws4_bv128_varlen_odd", dict(B=1, T=1000, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16,
+                                  cu=[0, 1, 65, 200, 777, 1000],
+                                  cfg={"warp_specialized": True, "four_warpgroups": True, "block_v": 128})),
+    ("ws4_bv128_varlen_vfirst_recurrent", dict(B=1, T=333, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                               cu=[0, 63, 64, 129, 333], state_v_first=True, ref="recurrent",
+                                               cfg={"warp_specialized": True, "four_warpgroups": True,
+                                                    "block_v": 128})),
+    ("ws4_bv64_dense_fp16_noh0", dict(B=1, T=256, H=2, HV=4, K=128, V=128, dtype=torch.float16, with_h0=False,
+                                      cfg={"warp_specialized": True, "four_warpgroups": True, "block_v": 64})),
+    ("ws4_bv64_dense_k64", dict(B=2, T=500, H=2, HV=4, K=64, V=64, dtype=torch.bfloat16,
+                                cfg={"warp_specialized": True, "four_warpgroups": True, "block_v": 64})),
+    ("ws4_bv128_dense_T8192", dict(B=1, T=8192, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16,
+                                   cfg={"warp_specialized": True, "four_warpgroups": True, "block_v": 128})),
     ("ws_bv64_stages3_varlen_odd", dict(B=1, T=1000, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
                                         cu=[0, 1, 65, 200, 777, 1000],
                                         cfg={"warp_specialized": True, "block_v": 64, "num_stages": 3})),
