@@ -8,6 +8,7 @@ Libraries (same inputs, same process, same timing method):
   ours_nosplit  the same with intra_cp="off" (one CTA walks a whole sequence per head and tile)
   ours_recompute  the same as ours with save_states=False: the backward recomputes the chunk
             states instead of reading the ones the forward kept (less memory, one more walk)
+  ours_ws4  the same as ours with the four-warpgroup forward (tilelang_fwd.FOUR_WARPGROUPS on)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
@@ -146,6 +147,15 @@ def lib_versions():
     return out
 
 
+def _switched(fn, switches, **values):
+    """`fn` run with a module's kernel switches set (`tilelang_fwd.switches`)."""
+    def run():
+        with switches(**values):
+            return fn()
+
+    return run
+
+
 def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
     """(fwd_fn, fwdbwd_fn or error string) for one library."""
     cu32 = None if cu is None else cu.to(device="cuda", dtype=torch.int32)
@@ -162,7 +172,7 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
             t.grad = None
         o.backward(do)
 
-    if lib in ("ours", "ours_nosplit", "ours_recompute"):
+    if lib in ("ours", "ours_nosplit", "ours_recompute", "ours_ws4"):
         from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
         from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
 
@@ -185,6 +195,11 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
                            intra_cp=intra, save_states=keep, cu_seqlens_cpu=cu_cpu)
             backward(o, ins)
 
+        if lib == "ours_ws4":
+            from flash_qla_cp.kernels import tilelang_fwd
+
+            return (_switched(fwd, tilelang_fwd.switches, FOUR_WARPGROUPS=True),
+                    _switched(fwdbwd, tilelang_fwd.switches, FOUR_WARPGROUPS=True))
         return fwd, fwdbwd
 
     if lib == "flashqla":
