@@ -25,6 +25,82 @@ from .tilelang_fwd import fused_fwd_entry
 LOG2E = 1.4426950408889634
 
 
+def ws_pieces(T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_state, state_v_first):
+    """The steps both warp-specialised forwards (this kernel and `tilelang_fwd_ws4.py`) share, as
+    TileLang macros: entering / leaving state, the output's masked P, the loader warp's loop."""
+    C = CHUNK
+    G = HV // H
+
+    @T.macro
+    def load_initial_state(s_f, h0, n, bhv, v0):
+        if use_initial_state:
+            if state_v_first:
+                for i, j in T.Parallel(K, BV):
+                    s_f[i, j] = h0[n, bhv, v0 + j, i]
+            else:
+                T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
+        else:
+            T.clear(s_f)
+
+    @T.macro
+    def store_final(s_f, ht, n, bhv, v0):
+        if store_final_state:
+            if state_v_first:
+                for i, j in T.Parallel(K, BV):
+                    ht[n, bhv, v0 + j, i] = s_f[i, j]
+            else:
+                T.copy(s_f, ht[n, bhv, :, v0 : v0 + BV])
+
+    @T.macro
+    def masked_p(q_s, k_s, g_s, s, p_f, p_s):
+        # P = q k^T gated, masked, scaled, stored (the elementwise rule, tilelang_common). G falls
+        # along the chunk, so the clamp changes only the masked entries (it keeps their
+        # exponentials finite).
+        T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            p_f[i, j] = p_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E)
+        for i, j in T.Parallel(C, C):
+            p_f[i, j] = T.if_then_else(i >= j, p_f[i, j] * scale, T.float32(0))
+        T.copy(p_f, p_s)
+        T.fence_proxy_async()
+
+    @T.macro
+    def store_w(w_s, vres, bb, t0, bhv, v0, L):
+        # v - exp(G) k S of a chunk (store_states): TMA for whole chunks, rows < L otherwise
+        if L == C:
+            T.tma_copy(w_s, vres[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
+        else:
+            for i, j in T.Parallel(C, BV):
+                if i < L:
+                    vres[bb, t0 + i, bhv, v0 + j] = w_s[i, j]
+
+    @T.macro
+    def store_o(o_f, o, bb, t0, bhv, v0, L):
+        for i, j in T.Parallel(C, BV):
+            if i < L:
+                o[bb, t0 + i, bhv, v0 + j] = o_f[i, j]
+
+    @T.macro
+    def loader(q, k, v, ag, gc, q_s, k_s, v_s, a_s, g_s, data_ready, data_free, bb, bhv, v0, t_start, seq_len, NS):
+        # one warp: whole 64-row tiles even for a partial last chunk (rows >= L are masked out
+        # downstream; TMA zero-fills past the tensor), G rows clamped to the last valid one
+        bh = bhv // G
+        for c in T.serial(T.ceildiv(seq_len, C)):
+            s = c % NS
+            t0 = t_start + c * C
+            L = T.min(seq_len - c * C, C)
+            T.barrier_wait(data_free[s], (c // NS + 1) % 2)
+            T.tma_copy(q[bb, t0 : t0 + C, bh, :], q_s[s, :, :], barrier=data_ready[s])
+            T.tma_copy(k[bb, t0 : t0 + C, bh, :], k_s[s, :, :], barrier=data_ready[s])
+            T.tma_copy(v[bb, t0 : t0 + C, bhv, v0 : v0 + BV], v_s[s, :, :], barrier=data_ready[s])
+            T.tma_copy(ag[bb, t0 : t0 + C, bhv, :], a_s[s, :, :], barrier=data_ready[s])
+            for i in T.Parallel(C):
+                g_s[s, i] = gc[bb, t0 + T.min(i, L - 1), bhv]
+            T.barrier_arrive(data_ready[s])
+
+    return load_initial_state, store_final, masked_p, store_w, store_o, loader
+
+
 def build_fused_fwd_ws_kernel(
     H: int,
     HV: int,
@@ -58,7 +134,6 @@ def build_fused_fwd_ws_kernel(
     C = CHUNK
     acc = "float32"
     dtype = tl_dtype(dtype)
-    G = HV // H
     BV = block_v
     assert V % BV == 0 and BV % 16 == 0 and K % 64 == 0 and num_stages >= 2
     NS = num_stages
@@ -70,6 +145,8 @@ def build_fused_fwd_ws_kernel(
     LOADER_REGS, CONSUMER_REGS = 40, 232
     assert not (trace and store_final_state), "trace writes its timings where the final state goes"
     TRACE_CHUNKS = K * BV // 16
+    load_initial_state, store_final, masked_p, store_w, store_o, loader = ws_pieces(
+        T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_state, state_v_first)
 
     @T.macro
     def stamp(st, i):
@@ -86,7 +163,6 @@ def build_fused_fwd_ws_kernel(
 
     @T.macro
     def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0):
-        bh = bhv // G
         v0 = bv * BV
         # ring of NS stages filled by the loader
         q_s = T.alloc_shared((NS, C, K), dtype)
@@ -120,14 +196,7 @@ def build_fused_fwd_ws_kernel(
         if tx < WG:
             # ---- state warpgroup ----
             T.set_max_nreg(CONSUMER_REGS, 1)
-            if use_initial_state:
-                if state_v_first:
-                    for i, j in T.Parallel(K, BV):
-                        s_f[i, j] = h0[n, bhv, v0 + j, i]
-                else:
-                    T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
-            else:
-                T.clear(s_f)
+            load_initial_state(s_f, h0, n, bhv, v0)
             for c in T.serial(n_chunks):
                 stamp(st, 0)
                 s = c % NS
@@ -167,12 +236,7 @@ def build_fused_fwd_ws_kernel(
                 stamp(st, 7)
                 T.barrier_arrive(data_free[s])
                 flush(st, ht, n, bhv, v0, c, tx, 0)
-            if store_final_state:
-                if state_v_first:
-                    for i, j in T.Parallel(K, BV):
-                        ht[n, bhv, v0 + j, i] = s_f[i, j]
-                else:
-                    T.copy(s_f, ht[n, bhv, :, v0 : v0 + BV])
+            store_final(s_f, ht, n, bhv, v0)
         elif tx < 2 * WG:
             # ---- output warpgroup ----
             T.set_max_nreg(CONSUMER_REGS, 1)
@@ -183,16 +247,7 @@ def build_fused_fwd_ws_kernel(
                 L = T.min(seq_len - c * C, C)
                 T.barrier_wait(data_ready[s], (c // NS) % 2)
                 stamp(st, 1)
-                T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
-                # gated, masked, stored (the elementwise rule, tilelang_common). G falls along
-                # the chunk, so the clamp changes only the masked entries (it keeps their
-                # exponentials finite).
-                for i, j in T.Parallel(C, C):
-                    p_f[i, j] = p_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E)
-                for i, j in T.Parallel(C, C):
-                    p_f[i, j] = T.if_then_else(i >= j, p_f[i, j] * scale, T.float32(0))
-                T.copy(p_f, p_s)
-                T.fence_proxy_async()
+                masked_p(q_s, k_s, g_s, s, p_f, p_s)
                 stamp(st, 2)
                 T.barrier_wait(h_ready, c % 2)
                 stamp(st, 3)
@@ -205,40 +260,21 @@ def build_fused_fwd_ws_kernel(
                 T.barrier_wait(vn_ready, c % 2)
                 stamp(st, 5)
                 if store_states:  # w_s is complete once v_new is (state warpgroup: w, then Ag w)
-                    if L == C:
-                        T.tma_copy(w_s, vres[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
-                    else:
-                        for i, j in T.Parallel(C, BV):
-                            if i < L:
-                                vres[bb, t0 + i, bhv, v0 + j] = w_s[i, j]
+                    store_w(w_s, vres, bb, t0, bhv, v0, L)
                 T.gemm(p_s, vn_s, o_f)
                 if store_states:  # the stores have read h_s / w_s before they are released
                     T.tma_store_wait(0)
                 T.barrier_arrive(out_done)
                 T.barrier_arrive(data_free[s])
                 stamp(st, 6)
-                for i, j in T.Parallel(C, BV):
-                    if i < L:
-                        o[bb, t0 + i, bhv, v0 + j] = o_f[i, j]
+                store_o(o_f, o, bb, t0, bhv, v0, L)
                 stamp(st, 7)
                 flush(st, ht, n, bhv, v0, c, tx, 1)
         else:
             # ---- loader: one warp issues the loads, the other three wait at the exit ----
             T.set_max_nreg(LOADER_REGS, 0)
             if tx < 2 * WG + 32:
-                for c in T.serial(n_chunks):
-                    s = c % NS
-                    t0 = t_start + c * C
-                    L = T.min(seq_len - c * C, C)
-                    T.barrier_wait(data_free[s], (c // NS + 1) % 2)
-                    # whole 64-row tiles even for a partial last chunk (rows >= L are masked out
-                    # downstream, as in the single-warpgroup kernel; TMA zero-fills past the tensor)
-                    T.tma_copy(q[bb, t0 : t0 + C, bh, :], q_s[s, :, :], barrier=data_ready[s])
-                    T.tma_copy(k[bb, t0 : t0 + C, bh, :], k_s[s, :, :], barrier=data_ready[s])
-                    T.tma_copy(v[bb, t0 : t0 + C, bhv, v0 : v0 + BV], v_s[s, :, :], barrier=data_ready[s])
-                    T.tma_copy(ag[bb, t0 : t0 + C, bhv, :], a_s[s, :, :], barrier=data_ready[s])
-                    for i in T.Parallel(C):
-                        g_s[s, i] = gc[bb, t0 + T.min(i, L - 1), bhv]
-                    T.barrier_arrive(data_ready[s])
+                loader(q, k, v, ag, gc, q_s, k_s, v_s, a_s, g_s, data_ready, data_free, bb, bhv, v0, t_start,
+                       seq_len, NS)
 
     return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, 3 * WG, store_states)

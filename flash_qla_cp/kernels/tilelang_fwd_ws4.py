@@ -24,6 +24,7 @@ publishes the next h, which the value warpgroup waits for).
 
 from .tilelang_common import CHUNK, import_tilelang, tl_dtype
 from .tilelang_fwd import fused_fwd_entry
+from .tilelang_fwd_ws import ws_pieces
 
 LOG2E = 1.4426950408889634
 
@@ -49,7 +50,6 @@ def build_fused_fwd_ws4_kernel(
     C = CHUNK
     acc = "float32"
     dtype = tl_dtype(dtype)
-    G = HV // H
     BV = block_v
     assert V % BV == 0 and BV % 16 == 0 and K % 64 == 0 and K <= 128 and num_stages >= 2
     NS = num_stages
@@ -60,10 +60,11 @@ def build_fused_fwd_ws4_kernel(
     # holds K x BV / 128 floats of S (128 at BV = 128), the value warpgroup two [64, BV]
     # accumulators, the output warpgroup P and o
     STATE_REGS, VALUE_REGS, OUTPUT_REGS, LOADER_REGS = 168, 168, 144, 32
+    load_initial_state, store_final, masked_p, store_w, store_o, loader = ws_pieces(
+        T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_state, state_v_first)
 
     @T.macro
     def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0):
-        bh = bhv // G
         v0 = bv * BV
         # ring of NS stages filled by the loader
         q_s = T.alloc_shared((NS, C, K), dtype)
@@ -97,14 +98,7 @@ def build_fused_fwd_ws4_kernel(
         if tx < WG:
             # ---- state warpgroup ----
             T.set_max_nreg(STATE_REGS, 1)
-            if use_initial_state:
-                if state_v_first:
-                    for i, j in T.Parallel(K, BV):
-                        s_f[i, j] = h0[n, bhv, v0 + j, i]
-                else:
-                    T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
-            else:
-                T.clear(s_f)
+            load_initial_state(s_f, h0, n, bhv, v0)
             for c in T.serial(n_chunks):
                 s = c % NS
                 T.barrier_wait(data_ready[s], (c // NS) % 2)
@@ -118,12 +112,7 @@ def build_fused_fwd_ws4_kernel(
                 T.barrier_wait(vn_ready, c % 2)
                 T.gemm(k_s[s, :, :], vd_s, s_f, transpose_A=True)
                 T.barrier_arrive(data_free[s])
-            if store_final_state:
-                if state_v_first:
-                    for i, j in T.Parallel(K, BV):
-                        ht[n, bhv, v0 + j, i] = s_f[i, j]
-                else:
-                    T.copy(s_f, ht[n, bhv, :, v0 : v0 + BV])
+            store_final(s_f, ht, n, bhv, v0)
         elif tx < 2 * WG:
             # ---- value warpgroup ----
             T.set_max_nreg(VALUE_REGS, 1)
@@ -161,14 +150,7 @@ def build_fused_fwd_ws4_kernel(
                 t0 = t_start + c * C
                 L = T.min(seq_len - c * C, C)
                 T.barrier_wait(data_ready[s], (c // NS) % 2)
-                T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
-                # gated, masked, stored (see tilelang_fwd_ws: the clamp changes only masked entries)
-                for i, j in T.Parallel(C, C):
-                    p_f[i, j] = p_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E)
-                for i, j in T.Parallel(C, C):
-                    p_f[i, j] = T.if_then_else(i >= j, p_f[i, j] * scale, T.float32(0))
-                T.copy(p_f, p_s)
-                T.fence_proxy_async()
+                masked_p(q_s, k_s, g_s, s, p_f, p_s)
                 T.barrier_wait(h_ready, c % 2)
                 if store_states:  # TMA store, waited for (smem read) before h_free
                     T.tma_copy(h_s, h_st[c_base + c, bhv, :, v0 : v0 + BV])
@@ -180,36 +162,18 @@ def build_fused_fwd_ws4_kernel(
                     o_f[i, j] = o_f[i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale)
                 T.barrier_wait(vn_ready, c % 2)
                 if store_states:  # w_s is complete once v_new is
-                    if L == C:
-                        T.tma_copy(w_s, vres[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
-                    else:
-                        for i, j in T.Parallel(C, BV):
-                            if i < L:
-                                vres[bb, t0 + i, bhv, v0 + j] = w_s[i, j]
+                    store_w(w_s, vres, bb, t0, bhv, v0, L)
                 T.gemm(p_s, vn_s, o_f)
                 if store_states:
                     T.tma_store_wait(0)
                 T.barrier_arrive(vn_free)
                 T.barrier_arrive(data_free[s])
-                for i, j in T.Parallel(C, BV):
-                    if i < L:
-                        o[bb, t0 + i, bhv, v0 + j] = o_f[i, j]
+                store_o(o_f, o, bb, t0, bhv, v0, L)
         else:
             # ---- loader: one warp issues the loads, the other three wait at the exit ----
             T.set_max_nreg(LOADER_REGS, 0)
             if tx < 3 * WG + 32:
-                for c in T.serial(n_chunks):
-                    s = c % NS
-                    t0 = t_start + c * C
-                    L = T.min(seq_len - c * C, C)
-                    T.barrier_wait(data_free[s], (c // NS + 1) % 2)
-                    # whole 64-row tiles even for a partial last chunk (masked downstream)
-                    T.tma_copy(q[bb, t0 : t0 + C, bh, :], q_s[s, :, :], barrier=data_ready[s])
-                    T.tma_copy(k[bb, t0 : t0 + C, bh, :], k_s[s, :, :], barrier=data_ready[s])
-                    T.tma_copy(v[bb, t0 : t0 + C, bhv, v0 : v0 + BV], v_s[s, :, :], barrier=data_ready[s])
-                    T.tma_copy(ag[bb, t0 : t0 + C, bhv, :], a_s[s, :, :], barrier=data_ready[s])
-                    for i in T.Parallel(C):
-                        g_s[s, i] = gc[bb, t0 + T.min(i, L - 1), bhv]
-                    T.barrier_arrive(data_ready[s])
+                loader(q, k, v, ag, gc, q_s, k_s, v_s, a_s, g_s, data_ready, data_free, bb, bhv, v0, t_start,
+                       seq_len, NS)
 
     return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, 4 * WG, store_states)
