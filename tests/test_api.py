@@ -86,19 +86,10 @@ def test_tilelang_backward_is_the_default_and_env_zero_opts_out(monkeypatch):
         assert rel_err(got, leaves[name].grad) < 1e-12
 
 
-def test_states_are_kept_only_when_a_backward_will_run(monkeypatch):
+def test_states_are_kept_only_when_a_backward_will_run(save_states_requests):
     # the forward keeps its chunk states (memory) only for a backward: inputs that need gradients
     # and save_states left on; the results do not depend on it
-    from flash_qla_cp import ops
-
-    asked = []
-    real_fwd = ops.chunk_gated_delta_rule_fwd
-
-    def spy(*args, save_states=False, **kw):
-        asked.append(save_states)
-        return real_fwd(*args, save_states=save_states, **kw)
-
-    monkeypatch.setattr(ops, "chunk_gated_delta_rule_fwd", spy)
+    asked = save_states_requests
     x = _inputs(6, seq_len=70, num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=8)
     outs = []
     for save, grad in ((True, True), (False, True), (True, False)):

@@ -53,22 +53,14 @@ def test_local_engine_splits_inside_the_kernels_on_tilelang(monkeypatch):
     assert isinstance(off, OpEngine) and off.intra_cp == "off"
 
 
-def test_cp_forward_keeps_states_only_for_a_backward(monkeypatch):
+def test_cp_forward_keeps_states_only_for_a_backward(save_states_requests):
     """Under CP, as in the plain op, each rank's forward keeps its chunk states (TileLang's
     save_states) only when a backward will run; the results do not depend on it."""
-    from flash_qla_cp import ops
     from flash_qla_cp.parallel import CPContext
     from flash_qla_cp.parallel.dual import cp_chunk_gated_delta_rule
     from flash_qla_cp.testing import make_gdn_inputs
 
-    asked = []
-    real_fwd = ops.chunk_gated_delta_rule_fwd
-
-    def spy(*args, save_states=False, **kw):
-        asked.append(save_states)
-        return real_fwd(*args, save_states=save_states, **kw)
-
-    monkeypatch.setattr(ops, "chunk_gated_delta_rule_fwd", spy)
+    asked = save_states_requests
     x = make_gdn_inputs(seq_len=100, num_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8,
                         generator=torch.Generator().manual_seed(3))
     cp = CPContext.single(torch.tensor([0, 40, 100]), intra="off")
