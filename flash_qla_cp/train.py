@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, help="checkpoint directory to resume from (if it holds one)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--metrics-out", default=None, help="rank 0 appends one JSON line per step (step, loss, ...)")
+    p.add_argument("--recompute-states", action="store_true",
+                   help="GDN backward recomputes the chunk states instead of keeping them from the forward "
+                        "(less memory between forward and backward, one more state walk; save_states=False)")
     p.add_argument("--checkpoint-blocks", action="store_true",
                    help="activation checkpointing per block: far less activation memory, ~1/3 more compute")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -171,6 +174,8 @@ def model_config(args, device_type: str = "cpu") -> HybridLMConfig:
         gdn_kwargs["backend"] = args.backend
     if args.cp == 1:  # no CPContext then: the op's own intra-card switch
         gdn_kwargs["intra_cp"] = parse_intra(args.cp_intra, device_type)
+    if args.recompute_states:
+        gdn_kwargs["save_states"] = False
     return HybridLMConfig(
         vocab_size=ByteTokenizer.vocab_size,
         hidden_size=args.hidden,

@@ -233,3 +233,15 @@ def test_qwen3_next_swap_example_trains_and_cp_matches_one_process(tmp_path):
         pytest.fail(f"torchrun timed out:\n{err.stdout}\n{err.stderr}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert _losses(out) == pytest.approx(single, rel=1e-5)
+
+
+def test_recompute_states_flag_reaches_every_gdn_layer():
+    """--recompute-states turns the GDN forward's kept chunk states off (save_states=False) in
+    every GDN layer of the model; by default they are kept."""
+    from flash_qla_cp.modules.gated_deltanet import GatedDeltaNet
+    from flash_qla_cp.train import build_parser, model_config
+
+    for flags, want in (([], True), (["--recompute-states"], False)):
+        model = HybridLM(model_config(build_parser().parse_args([*TINY, *flags])))
+        layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        assert layers and all(m.save_states is want for m in layers)
