@@ -22,8 +22,8 @@ Accuracy: every library's forward output and final state are compared with the t
 reference computed in float32 on the same GPU (relative L2 error, columns o_err / ht_err).
 
 Timing: triton.testing.do_bench (warm-up, then the median of repeated launches, L2 flushed
-between runs by do_bench). Eager by default: the varlen paths of all three libraries read
-sequence metadata on the host, so eager timing is the common ground; it is the same for all.
+between runs by do_bench). Eager by default, the same for all. FLA and ours get cu_seqlens_cpu
+(a host copy of the offsets), so neither reads them back from the GPU.
 --graphs adds columns timed by replaying each call captured in a CUDA graph (what a training
 loop under CUDA graphs pays: no host launch cost), for every library whose call can be
 captured; a call that waits for the GPU on the host cannot, and its row says so.
