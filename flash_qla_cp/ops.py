@@ -144,11 +144,16 @@ def chunk_gated_delta_rule_bwd(do, dht, ctx: GDNContext):
     return _torch_bwd(do, dht, ctx)
 
 
+def backward_will_run(*inputs) -> bool:
+    """Whether autograd records a call on `inputs` (None entries allowed): grad mode on and some
+    input needs a gradient. Kept chunk states are worth their memory only then (not under
+    no_grad, e.g. the first pass of activation checkpointing)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+
+
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, g, beta, initial_state, options):
-        # states are worth keeping only when a backward will run
-        options = dict(options, save_states=options["save_states"] and any(fctx.needs_input_grad[:6]))
         o, final_state, ctx = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=initial_state, **options)
         fctx.gdn = ctx
         fctx.has_initial_state = initial_state is not None
@@ -237,9 +242,7 @@ def chunk_gated_delta_rule(
         backend=backend,
         intra_cp=intra_cp,
         cu_seqlens_cpu=cu_seqlens_cpu,
-        # only when autograd will record this call (not under no_grad, e.g. the first pass of
-        # activation checkpointing): the states would be dropped unused
-        save_states=bool(save_states) and torch.is_grad_enabled(),
+        save_states=bool(save_states) and backward_will_run(q, k, v, g, beta, initial_state),
     )
     return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, options)
 
