@@ -41,13 +41,15 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
 
     num_seqs = B
     if cu_seqlens is not None:
-        host = cu_seqlens if cu_seqlens_cpu is None or cu_seqlens.device.type == "cpu" else cu_seqlens_cpu
-        if host is not cu_seqlens and (not isinstance(host, torch.Tensor) or host.device.type != "cpu"
-                                       or host.shape != cu_seqlens.shape):
-            _fail(f"cu_seqlens_cpu must be a CPU tensor of cu_seqlens' shape {tuple(cu_seqlens.shape)}")
+        host = cu_seqlens
+        if cu_seqlens_cpu is not None and cu_seqlens.device.type != "cpu":  # check the copy's values
+            if not (isinstance(cu_seqlens_cpu, torch.Tensor) and cu_seqlens_cpu.device.type == "cpu"
+                    and cu_seqlens_cpu.shape == cu_seqlens.shape):
+                _fail(f"cu_seqlens_cpu must be a CPU tensor of cu_seqlens' shape {tuple(cu_seqlens.shape)}")
+            if cu_seqlens.dtype not in (torch.int32, torch.int64):
+                _fail("cu_seqlens must be an int32/int64 tensor [N+1]")
+            host = cu_seqlens_cpu
         num_seqs = check_cu_seqlens(host, B, T)
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            _fail("cu_seqlens must be an int32/int64 tensor [N+1]")
     if initial_state is not None:
         V = v.shape[3]
         expected = (num_seqs, HV, V, K) if state_v_first else (num_seqs, HV, K, V)

@@ -113,48 +113,40 @@ def _forward_cases() -> list[KernelCase]:
 
 def _warp_specialized_cases() -> list[KernelCase]:
     from .tilelang_fwd_ws import build_fused_fwd_ws_kernel
+    from .tilelang_fwd_ws4 import build_fused_fwd_ws4_kernel
 
     cases = []
-    # the default tiles, then the options: a three-stage ring; the chunk states kept for the
-    # backward (TMA stores from the output warpgroup)
-    for bv, dim, varlen, v_first, opts in ((64, 128, False, False, {}), (32, 128, True, True, {}),
-                                           (16, 64, True, False, {}), (64, 128, True, False, {"num_stages": 3}),
-                                           (64, 128, True, False, {"store_states": True}),
-                                           (32, 128, False, True, {"store_states": True})):
+    # three warpgroups: the default tiles, then the options: a three-stage ring; the chunk states
+    # kept for the backward (TMA stores from the output warpgroup). Four warpgroups
+    # (tilelang_fwd_ws4.py): a whole 128-wide state per block, with and without the stores.
+    for factory, bv, dim, varlen, v_first, opts in (
+        (build_fused_fwd_ws_kernel, 64, 128, False, False, {}),
+        (build_fused_fwd_ws_kernel, 32, 128, True, True, {}),
+        (build_fused_fwd_ws_kernel, 16, 64, True, False, {}),
+        (build_fused_fwd_ws_kernel, 64, 128, True, False, {"num_stages": 3}),
+        (build_fused_fwd_ws_kernel, 64, 128, True, False, {"store_states": True}),
+        (build_fused_fwd_ws_kernel, 32, 128, False, True, {"store_states": True}),
+        (build_fused_fwd_ws4_kernel, 128, 128, True, False, {}),
+        (build_fused_fwd_ws4_kernel, 128, 128, False, True, {"store_states": True}),
+        (build_fused_fwd_ws4_kernel, 64, 128, True, False, {"store_states": True}),
+    ):
         tag = "".join(f"_{k}{int(v)}" for k, v in opts.items())
+        kind = "ws4" if factory is build_fused_fwd_ws4_kernel else "ws"
         entry = "gdn_fwd_fused_varlen" if varlen else "gdn_fwd_fused"
+        # TMA loads into mbarriers, register hand-off between warpgroups
         expect = ("wgmma", "tma_load", "warpgroup_reg_alloc")
         if opts.get("store_states"):
             entry, expect = entry + "_states", expect + ("tma_store",)
         cases.append(
             KernelCase(
-                name=f"fwd_fused_ws_k{dim}_bv{bv}_{'varlen' if varlen else 'dense'}{tag}",
-                factory=build_fused_fwd_ws_kernel,
+                name=f"fwd_fused_{kind}_k{dim}_bv{bv}_{'varlen' if varlen else 'dense'}{tag}",
+                factory=factory,
                 params=dict(
                     H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, is_varlen=varlen,
                     use_initial_state=True, store_final_state=True, state_v_first=v_first, block_v=bv, **opts,
                 ),
                 entry=entry,
-                # TMA loads into mbarriers, register hand-off between warpgroups
                 expect=expect,
-            )
-        )
-    # the four-warpgroup kernel (tilelang_fwd_ws4.py): a whole 128-wide state per block
-    from .tilelang_fwd_ws4 import build_fused_fwd_ws4_kernel
-
-    for bv, varlen, v_first, states in ((128, True, False, False), (128, False, True, True), (64, True, False, True)):
-        entry = ("gdn_fwd_fused_varlen" if varlen else "gdn_fwd_fused") + ("_states" if states else "")
-        cases.append(
-            KernelCase(
-                name=f"fwd_fused_ws4_k128_bv{bv}_{'varlen' if varlen else 'dense'}{'_states' if states else ''}",
-                factory=build_fused_fwd_ws4_kernel,
-                params=dict(
-                    H=2, HV=4, K=128, V=128, dtype="bfloat16", scale=128**-0.5, is_varlen=varlen,
-                    use_initial_state=True, store_final_state=True, state_v_first=v_first, block_v=bv,
-                    store_states=states,
-                ),
-                entry=entry,
-                expect=("wgmma", "tma_load", "warpgroup_reg_alloc") + (("tma_store",) if states else ()),
             )
         )
     return cases
