@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from flash_qla_cp.kernels.tilelang_common import CHUNK, chunk_table, kernel_operand
+from flash_qla_cp.kernels.tilelang_common import CHUNK, chunk_offsets, chunk_table, kernel_operand
 from flash_qla_cp.kernels.tilelang_split import (
     WARMUP_LOG_DECAY,
     auto_partitions,
     dh_warmup_chunks,
+    host_chunk_offsets,
     host_chunk_table,
     plan_split,
     warmup_starts,
@@ -20,6 +21,8 @@ from flash_qla_cp.testing import chunk_local_cumsum, make_gdn_inputs
 @pytest.mark.parametrize("cu", [[0, 5, 5, 200, 1000, 1001], [0, 64, 128], [0, 0], [0, 4096 * 3 + 17]])
 def test_host_chunk_table_matches_device_builder(cu):
     assert torch.equal(host_chunk_table(cu, "cpu"), chunk_table(torch.tensor(cu)))
+    # the plan's offsets stand in for the device-computed ones (forward and backward)
+    assert torch.equal(host_chunk_offsets(cu, "cpu"), chunk_offsets(torch.tensor(cu)))
 
 
 def test_plans_are_cached_with_their_device_tensors():

@@ -797,6 +797,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     gcum = _saved_tensor(saved, "g_cumsum", (1, Ttot, HV))
     ag = _saved_tensor(saved, "Ag", (1, Ttot, HV, CHUNK))
     ctab = saved.get("chunk_table") if isinstance(saved, dict) and cu_seqlens is not None else None
+    coffs = saved.get("chunk_offsets") if isinstance(saved, dict) and cu_seqlens is not None else None
     if gcum is None or ag is None or ag.dtype != dt:
         from .tilelang_fwd import prepare_fwd
 
@@ -827,7 +828,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         ctab, chunk_offsets = dense_tabs["seq_chunk_table"], dense_tabs["seq_chunk_offsets"]
     else:
         ctab = ctab if ctab is not None else chunk_table(cu)
-        chunk_offsets = chunk_offsets_of(cu)
+        chunk_offsets = coffs if coffs is not None else chunk_offsets_of(cu)
     NC = int(ctab.shape[0])
 
     use_h0 = user_h0 or split is not None

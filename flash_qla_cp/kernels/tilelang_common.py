@@ -161,13 +161,12 @@ def chunk_table(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     Built with torch on the device of `cu_seqlens`; reading the total chunk count costs one
     host sync (the grid size must be known on the host).
     """
-    cu = cu_seqlens.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
-    n_chunks = (lens + chunk - 1) // chunk
-    total = int(n_chunks.sum().item())
-    seq_ids = torch.repeat_interleave(torch.arange(len(lens), device=cu.device), n_chunks, output_size=total)
-    first = torch.cumsum(n_chunks, 0) - n_chunks
-    local = torch.arange(total, device=cu.device) - first[seq_ids]
+    offsets = chunk_offsets(cu_seqlens, chunk).to(torch.int64)
+    n_chunks = offsets[1:] - offsets[:-1]
+    total = int(offsets[-1].item())
+    seq_ids = torch.repeat_interleave(torch.arange(len(n_chunks), device=offsets.device), n_chunks,
+                                      output_size=total)
+    local = torch.arange(total, device=offsets.device) - offsets[:-1][seq_ids]
     return torch.stack([seq_ids, local], dim=1).to(torch.int32).contiguous()
 
 

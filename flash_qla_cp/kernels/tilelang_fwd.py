@@ -22,6 +22,8 @@ dict (all tensors contiguous, token-major like the inputs):
     saved["Ag"]       : [B, T, HV, 64]  q.dtype row t holds row (t mod chunk) of Ag for the chunk
                                         containing token t; columns >= L are zero
     saved["chunk_table"]: [NC, 2] int32  (sequence, chunk-in-sequence) per chunk, varlen only
+    saved["chunk_offsets"]: [N + 1] int32 each sequence's first chunk in that table, varlen only
+                        (None when nothing needed it)
     saved["cu_seqlens"] : int32 cu_seqlens or None
     saved["scale"], saved["state_v_first"] : python values
     saved["partitions"]: int, how many partitions the fused kernel walked (N when unsplit)
@@ -651,7 +653,7 @@ def tilelang_chunk_gated_delta_rule_fwd(
     cu = cu_seqlens.to(torch.int32).contiguous() if varlen else None
     N = (cu.shape[0] - 1) if varlen else B
 
-    seq_tab, plan = None, None
+    seq_tab, seq_offsets, plan = None, None, None
     if partitions not in (None, "off", 1) and Tn > 0 and N > 0:
         from .tilelang_split import plan_split
 
@@ -662,7 +664,8 @@ def tilelang_chunk_gated_delta_rule_fwd(
             cu_host = [b * Tn for b in range(B + 1)]
         plan = plan_split(cu_host, HV, V, partitions, _sm_count(q.device))
         if varlen:
-            seq_tab = plan.device_tensors(q.device)["seq_chunk_table"]
+            tabs = plan.device_tensors(q.device)  # built from the host offsets, cached with the plan
+            seq_tab, seq_offsets = tabs["seq_chunk_table"], tabs["seq_chunk_offsets"]
         if plan.is_trivial:
             plan = None
 
@@ -671,6 +674,7 @@ def tilelang_chunk_gated_delta_rule_fwd(
         "g_cumsum": g_cum,
         "Ag": ag,
         "chunk_table": chunk_tab,
+        "chunk_offsets": seq_offsets,
         "cu_seqlens": cu,
         "scale": float(scale),
         "state_v_first": bool(state_v_first),
@@ -710,7 +714,9 @@ def tilelang_chunk_gated_delta_rule_fwd(
             n_chunks = chunk_tab.shape[0] if varlen else B * (-(-Tn // CHUNK))
             states = _state_outputs(saved, n_chunks, v, K)
             if varlen:
-                states += (chunk_offsets(cu),)
+                if saved["chunk_offsets"] is None:
+                    saved["chunk_offsets"] = chunk_offsets(cu)
+                states += (saved["chunk_offsets"],)
         if varlen:
             kern(q, k, v, ag, g_cum, cu, h0, o, ht, *states)
         else:
