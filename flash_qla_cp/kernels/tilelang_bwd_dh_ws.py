@@ -95,9 +95,11 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
                 t0 = s0 + c * C
                 L = T.min(seq_len - c * C, C)
                 T.barrier_wait(data_ready[s], (cc // 2) % 2)
-                # dh of this chunk: the gradient of the state leaving it
-                for i, j in T.Parallel(K, BV):
-                    dh_out[c_first + c, bhv, i, v0 + j] = ds_f[i, j]
+                # dh of this chunk: the gradient of the state leaving it (not stored by the
+                # limited walk, which only wants dh0)
+                if not limit_chunks:
+                    for i, j in T.Parallel(K, BV):
+                        dh_out[c_first + c, bhv, i, v0 + j] = ds_f[i, j]
                 T.copy(ds_f, dh_s)
                 T.fence_proxy_async()
                 T.gemm(k_s[s, :, :], dh_s, x_f, clear_accum=True)
@@ -110,14 +112,16 @@ def build_bwd_dh_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: f
                     x_f[i, j] = T.if_then_else(i < L, x_f[i, j], T.float32(0))
                 T.copy(x_f, dvn_s)
                 T.fence_proxy_async()
-                for i, j in T.Parallel(C, BV):
-                    if i < L:
-                        dvn_out[0, t0 + i, bhv, v0 + j] = x_f[i, j]
+                if not limit_chunks:
+                    for i, j in T.Parallel(C, BV):
+                        if i < L:
+                            dvn_out[0, t0 + i, bhv, v0 + j] = x_f[i, j]
                 # dv = t = Ag^T dvn
                 T.gemm(a_s[s, :, :], dvn_s, t_f, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, BV):
-                    if i < L:
-                        dv_out[0, t0 + i, bhv, v0 + j] = t_f[i, j]
+                if not limit_chunks:
+                    for i, j in T.Parallel(C, BV):
+                        if i < L:
+                            dv_out[0, t0 + i, bhv, v0 + j] = t_f[i, j]
                 for i, j in T.Parallel(C, BV):
                     t_f[i, j] = -t_f[i, j] * T.exp2(g_s[s, i] * LOG2E)
                 T.copy(t_f, tn_s)

@@ -241,9 +241,10 @@ def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: floa
     @T.macro
     def step(dh_out, dvn_out, dv_out, q_s, k_s, do_s, a_s, g_s, qe_s, ke_s, kd_s, p_s, dh_s, dvn_s, tn_s,
              ds_f, p_f, dvn_f, t_f, glast, cidx, t0, L, bhv, v0, full):
-        # dh of this chunk = gradient of the state leaving it
+        # dh of this chunk = gradient of the state leaving it (the limited walk only wants dh0)
         T.copy(ds_f, dh_s)
-        T.copy(dh_s, dh_out[cidx, bhv, :, v0 : v0 + BV])
+        if not limit_chunks:
+            T.copy(dh_s, dh_out[cidx, bhv, :, v0 : v0 + BV])
 
         glast = g_s[C - 1]
         T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
@@ -264,14 +265,15 @@ def build_bwd_dh_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: floa
         T.gemm(a_s, dvn_s, t_f, transpose_A=True, clear_accum=True)
         for i, d in T.Parallel(C, BV):
             tn_s[i, d] = -t_f[i, d]
-        if full:
-            T.copy(dvn_s, dvn_out[0, t0 : t0 + C, bhv, v0 : v0 + BV])
-            T.copy(t_f, dv_out[0, t0 : t0 + C, bhv, v0 : v0 + BV])
-        else:
-            for i, d in T.Parallel(C, BV):
-                if i < L:
-                    dvn_out[0, t0 + i, bhv, v0 + d] = dvn_s[i, d]
-                    dv_out[0, t0 + i, bhv, v0 + d] = -tn_s[i, d]
+        if not limit_chunks:
+            if full:
+                T.copy(dvn_s, dvn_out[0, t0 : t0 + C, bhv, v0 : v0 + BV])
+                T.copy(t_f, dv_out[0, t0 : t0 + C, bhv, v0 : v0 + BV])
+            else:
+                for i, d in T.Parallel(C, BV):
+                    if i < L:
+                        dvn_out[0, t0 + i, bhv, v0 + d] = dvn_s[i, d]
+                        dv_out[0, t0 + i, bhv, v0 + d] = -tn_s[i, d]
         # dS = exp(GL) dS' + (scale E q)^T dO - (E k)^T t
         for i, d in T.Parallel(K, BV):
             ds_f[i, d] = ds_f[i, d] * T.exp2(glast * LOG2E)
@@ -342,8 +344,9 @@ def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads, limit_chunks=False):
     walk_chunks, bv, n, bhv). Shared by the serial and the warp-specialised
     (`tilelang_bwd_dh_ws.py`) kernels. With limit_chunks the PrimFunc takes one more argument,
     walk_chunks [N, HV] int32 (the walk covers only the first walk_chunks[n, h] chunks of
-    sequence n, from a zero or given exit gradient there); else `walk` gets dh0 in its place
-    and must not read it."""
+    sequence n, from a zero or given exit gradient there) and writes only dh0: it has no dh_out /
+    dvn_out / dv_out arguments (`walk` gets None for them and must not store them); else `walk`
+    gets dh0 in walk_chunks' place and must not read it."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -387,15 +390,11 @@ def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads, limit_chunks=False):
         cu_seqlens: T.Tensor((N1,), "int32"),
         chunk_offsets: T.Tensor((N1,), "int32"),
         dht: T.Tensor((NT, HV, K, V), acc),
-        dh_out: T.Tensor((NC, HV, K, V), dtype),
-        dvn_out: T.Tensor((1, Ttot, HV, V), dtype),
-        dv_out: T.Tensor((1, Ttot, HV, V), dtype),
         dh0: T.Tensor((N0, HV, K, V), acc),
         walk_chunks: T.Tensor((NW, HV), "int32"),
     ):
         with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
-            walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, walk_chunks, bv, n,
-                 bhv)
+            walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, None, None, None, dh0, walk_chunks, bv, n, bhv)
 
     return gdn_bwd_dh_limited
 
@@ -858,8 +857,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     if not fused_walk:
         k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs[1:])
 
-    # dh and dvn reach memory only from the dh walks (the fused walk keeps them on chip)
-    dh_walk = split is not None or not fused_walk
+    # dh and dvn reach memory only from the full dh walk (the fused walk keeps them on chip)
+    dh_walk = not fused_walk
     dh_st = _empty(NC if dh_walk else 1, *sdims, dtype=dt, device=dev)
     dvn = _empty(1, Ttot if dh_walk else 1, HV, V, dtype=dt, device=dev)
     dv = _empty(1, Ttot, HV, V, dtype=dt, device=dev)
@@ -876,13 +875,12 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
             if not states_saved:
                 k_h(kf, vf, ag, gcum, cu, chunk_offsets, split["S_in"], h_st, vres)
             # the gradient reaching each partition's start from its own outputs: only its first
-            # chunks matter until the gates have decayed by e^-16 (`dh_warmup_chunks`); what
-            # this pass writes besides dh0 is overwritten by the full pass below
+            # chunks matter until the gates have decayed by e^-16 (`dh_warmup_chunks`); this
+            # pass writes dh0 only
             dh_factory, dh_params = specs[1]
             k_dh_warm = compile_kernel(dh_factory, **dh_params, limit_chunks=True)
             no_exit_grad = torch.zeros(N, *sdims, dtype=torch.float32, device=dev)
-            k_dh_warm(qf, kf, dof, ag, gcum, cu, chunk_offsets, no_exit_grad, dh_st, dvn, dv, dh0,
-                      split["dh_walk_chunks"])
+            k_dh_warm(qf, kf, dof, ag, gcum, cu, chunk_offsets, no_exit_grad, dh0, split["dh_walk_chunks"])
             seq_exit_grad = dhtf if use_dht else torch.zeros(len(split["first_parts"]), *sdims,
                                                              dtype=torch.float32, device=dev)
             exit_grad = scan_partitions(split["M"].transpose(-1, -2), dh0, split["seq_parts"], seq_exit_grad,
