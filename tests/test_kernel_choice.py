@@ -9,12 +9,13 @@ import torch
 def test_default_tiles_fit_the_head_and_choose_a_kernel(n_seqs, HV, V, K):
     from flash_qla_cp.kernels.tilelang_fwd import default_fused_config, fwd_kernel_specs
     from flash_qla_cp.kernels.tilelang_fwd_ws import build_fused_fwd_ws_kernel
+    from flash_qla_cp.kernels.tilelang_fwd_ws4 import build_fused_fwd_ws4_kernel
 
     cfg = default_fused_config(n_seqs, HV, V, 132, K=K)
     assert V % cfg["block_v"] == 0 and cfg["block_v"] % 16 == 0  # wgmma N tiles
     factory, params = fwd_kernel_specs(2, HV, K, V, torch.bfloat16, K**-0.5, True, True, True, **cfg)[1]
-    # the warp-specialised kernel holds 64 x K q/k tiles in a two-stage ring: K <= 128 only
-    assert (factory is build_fused_fwd_ws_kernel) == (K <= 128)
+    # the warp-specialised kernels hold 64 x K q/k tiles in a two-stage ring: K <= 128 only
+    assert (factory in (build_fused_fwd_ws_kernel, build_fused_fwd_ws4_kernel)) == (K <= 128)
     assert params["block_v"] == cfg["block_v"]
 
 
@@ -23,7 +24,8 @@ def test_four_warpgroup_forward_is_chosen_only_when_switched_on_and_its_grid_fil
     from flash_qla_cp.kernels import tilelang_fwd
     from flash_qla_cp.kernels.tilelang_fwd_ws4 import build_fused_fwd_ws4_kernel
 
-    assert "four_warpgroups" not in tilelang_fwd.default_fused_config(4, 32, 128, 132)
+    with tilelang_fwd.switches(FOUR_WARPGROUPS=False):
+        assert "four_warpgroups" not in tilelang_fwd.default_fused_config(4, 32, 128, 132)
     with tilelang_fwd.switches(FOUR_WARPGROUPS=True):
         cfg = tilelang_fwd.default_fused_config(4, 32, 128, 132)  # 128 blocks of 128-wide states
         small = tilelang_fwd.default_fused_config(1, 32, 128, 132)  # 32 blocks: narrower tiles

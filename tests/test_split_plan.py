@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from flash_qla_cp.kernels.tilelang_common import CHUNK, chunk_offsets, chunk_table, kernel_operand
+from flash_qla_cp.kernels.tilelang_common import (CHUNK, chunk_offsets, chunk_table, host_walk_order, kernel_operand,
+                                                  ordered_block, walk_order)
 from flash_qla_cp.kernels.tilelang_split import (
     WARMUP_LOG_DECAY,
     auto_partitions,
@@ -25,12 +26,31 @@ def test_host_chunk_table_matches_device_builder(cu):
     assert torch.equal(host_chunk_offsets(cu, "cpu"), chunk_offsets(torch.tensor(cu)))
 
 
+@pytest.mark.parametrize("cu", [[0, 4199, 9832, 11880, 14158, 17361, 22287, 26454, 32768], [0, 5, 5, 70, 70, 75],
+                                [0, 64, 128, 192]])
+@pytest.mark.parametrize("HV", [1, 4, 32])
+def test_walk_grids_start_the_longest_sequences_first_and_cover_every_block_once(cu, HV):
+    order = walk_order(torch.tensor(cu, dtype=torch.int32))
+    assert order.dtype == torch.int32 and order.tolist() == host_walk_order(cu)
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    N = len(lengths)
+    # the grid's blocks in launch order: sequence index fastest, then the v-head (grid (.., N, HV))
+    blocks = [ordered_block(order.tolist(), bn, bh, N, HV) for bh in range(HV) for bn in range(N)]
+    assert sorted(blocks) == [(n, h) for n in range(N) for h in range(HV)]
+    started = [lengths[n] for n, _ in blocks]
+    assert started == sorted(started, reverse=True)
+    # equal lengths keep the sequences in their own order (a dense batch's grid is unchanged)
+    if len(set(lengths)) == 1:
+        assert [n for n, _ in blocks[::HV]] == list(range(N))
+
+
 def test_plans_are_cached_with_their_device_tensors():
     a = plan_split([0, 64 * 64], HV=4, V=128, parts=4)
     assert plan_split(torch.tensor([0, 64 * 64]).tolist(), HV=4, V=128, parts=4) is a
     t = a.device_tensors("cpu")
     assert t is a.device_tensors("cpu")
     assert t["part_cu"].tolist() == a.part_cu and torch.equal(t["part_chunk_table"], host_chunk_table(a.part_cu, "cpu"))
+    assert torch.equal(t["part_order"], walk_order(t["part_cu"])) and t["seq_order"].tolist() == [0]
 
 
 @pytest.mark.parametrize("parts", [1, 3, 8, "auto"])

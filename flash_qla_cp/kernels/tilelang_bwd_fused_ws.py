@@ -31,6 +31,7 @@ its rows >= L after the TMA copies land, so no product needs more masks than the
 
 Arguments: q, k [1,T,H,K]; do, vres [1,T,HV,V]; ag [1,T,HV,64] (dtype); gc, beta [1,T,HV]
 fp32; h [NC,HV,K,V] dtype (state entering each chunk); cu_seqlens, chunk_offsets [N+1] int32;
+order [N] int32 (the sequences in the order their blocks start, `tilelang_common.walk_order`);
 dht [NT,HV,K,V] fp32 (gradient of each sequence's final state; read when use_dht); outputs
 dq_part, dk_part [1,T,HV,K] dtype (per v-head: summed over each qk-head's v-heads afterwards,
 `_fused_walk` in tilelang_bwd_impl.py; with HV == H they are dq and dk), dv [1,T,HV,V] dtype,
@@ -38,7 +39,7 @@ dg, db [1,T,HV] fp32 (dg already reverse-cumsummed inside the chunk), dh0 [N0,HV
 (written when store_dh0). Padding rows of a partial chunk carry q = k = v = 0 and beta = 0.
 """
 
-from .tilelang_common import CHUNK, import_tilelang, tl_dtype
+from .tilelang_common import CHUNK, import_tilelang, ordered_block, tl_dtype
 
 LOG2E = 1.4426950408889634
 
@@ -61,6 +62,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
     Ttot = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
     N1 = T.dynamic("num_seqs_plus_one")
+    NS = T.dynamic("num_seqs")
     NT = T.dynamic("n_dht")
     N0 = T.dynamic("n_dh0")
 
@@ -91,6 +93,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
         h: T.Tensor((NC, HV, K, V), dtype),
         cu_seqlens: T.Tensor((N1,), "int32"),
         chunk_offsets: T.Tensor((N1,), "int32"),
+        order: T.Tensor((NS,), "int32"),
         dht: T.Tensor((NT, HV, K, V), acc),
         dq_part: T.Tensor((1, Ttot, HV, K), dtype),
         dk_part: T.Tensor((1, Ttot, HV, K), dtype),
@@ -99,7 +102,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
         db: T.Tensor((1, Ttot, HV), acc),
         dh0: T.Tensor((N0, HV, K, V), acc),
     ):
-        with T.Kernel(N1 - 1, HV, threads=3 * WG) as (n, bhv):
+        with T.Kernel(N1 - 1, HV, threads=3 * WG) as (bn, bhv_block):
+            n, bhv = ordered_block(order, bn, bhv_block, N1 - 1, HV)  # longest sequences first
             bh = bhv // grp
             s0 = cu_seqlens[n]
             seq_len = cu_seqlens[n + 1] - s0

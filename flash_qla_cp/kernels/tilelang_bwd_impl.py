@@ -52,7 +52,7 @@ No atomics anywhere: the result is bitwise deterministic.
 import torch
 
 from .tilelang_common import (CHUNK, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang, kernel_operand,
-                              state_kv_layout, switched_globals, tl_dtype)
+                              state_kv_layout, switched_globals, tl_dtype, walk_order)
 from .tilelang_common import chunk_offsets as chunk_offsets_of
 
 LOG2E = 1.4426950408889634
@@ -797,6 +797,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     ag = _saved_tensor(saved, "Ag", (1, Ttot, HV, CHUNK))
     ctab = saved.get("chunk_table") if isinstance(saved, dict) and cu_seqlens is not None else None
     coffs = saved.get("chunk_offsets") if isinstance(saved, dict) and cu_seqlens is not None else None
+    order = saved.get("walk_order") if isinstance(saved, dict) and cu_seqlens is not None else None
     if gcum is None or ag is None or ag.dtype != dt:
         from .tilelang_fwd import prepare_fwd
 
@@ -822,12 +823,15 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     split = saved.get("split") if isinstance(saved, dict) else None
     if split is not None:
         cu, ctab, chunk_offsets = split["part_cu"], split["part_chunk_table"], split["part_chunk_offsets"]
+        order = split["part_order"]
         N = cu.shape[0] - 1
     elif dense_tabs is not None:
         ctab, chunk_offsets = dense_tabs["seq_chunk_table"], dense_tabs["seq_chunk_offsets"]
+        order = dense_tabs["seq_order"]
     else:
         ctab = ctab if ctab is not None else chunk_table(cu)
         chunk_offsets = coffs if coffs is not None else chunk_offsets_of(cu)
+        order = order if order is not None else walk_order(cu)
     NC = int(ctab.shape[0])
 
     use_h0 = user_h0 or split is not None
@@ -886,7 +890,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
             exit_grad = scan_partitions(split["M"].transpose(-1, -2), dh0, split["seq_parts"], seq_exit_grad,
                                         reverse=True)
             if fused_walk:
-                _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, True, True,
+                _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, True, True,
                             scale, dq, dk, dv, dg, db, dh0)
             else:
                 k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, exit_grad, dh_st, dvn, dv, dh0)
@@ -895,7 +899,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
             if not states_saved:
                 k_h(kf, vf, ag, gcum, cu, chunk_offsets, h0, h_st, vres)
             if fused_walk:
-                _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, dhtf, use_dht, use_h0,
+                _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, dhtf, use_dht, use_h0,
                             scale, dq, dk, dv, dg, db, dh0)
             else:
                 k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, dhtf, dh_st, dvn, dv, dh0)
@@ -942,7 +946,7 @@ def switches(**values):
     return switched_globals(globals(), **values)
 
 
-def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, use_dht, store_dh0, scale,
+def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, use_dht, store_dh0, scale,
                 dq, dk, dv, dg, db, dh0):
     """Run the fused walk; dq / dk (per qk-head) are the sums of its per-v-head parts, rounded to
     the input dtype like the peer's (with HV == H the walk writes dq and dk themselves)."""
@@ -953,11 +957,12 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_
     kern = compile_kernel(build_bwd_fused_ws_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
                           scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
     if HV == H:
-        kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, dq, dk, dv, dg, db, dh0)
+        kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq, dk, dv, dg, db, dh0)
         return
     dq_part = torch.empty(1, Ttot, HV, K, dtype=qf.dtype, device=qf.device)
     dk_part = torch.empty_like(dq_part)
-    kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, exit_grad, dq_part, dk_part, dv, dg, db, dh0)
+    kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq_part, dk_part, dv, dg, db,
+         dh0)
     from .tilelang_v_head_sum import build_v_head_sum_kernel
 
     group = HV // H

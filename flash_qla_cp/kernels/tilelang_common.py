@@ -180,6 +180,32 @@ def chunk_offsets(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     return out
 
 
+# Walk order of varlen grids. A walk kernel runs one block per (sequence, v-head) for the whole
+# sequence; with more blocks than SMs the GPU starts them in grid order as SMs free up, so a long
+# sequence started last sets the kernel's end. Blocks take their sequence from an order table,
+# longest first (greedy longest-processing-time scheduling): the bench's 8 uneven documents in 32k
+# (TP1, 256 walks on 132 SMs) finish after ~132 chunk steps per SM instead of ~188 in order.
+def walk_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[N] int32 sequence indices of `cu_seqlens`, longest first (ties in index order), computed
+    on its device."""
+    lengths = cu_seqlens[1:].to(torch.int64) - cu_seqlens[:-1].to(torch.int64)
+    return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
+
+
+def host_walk_order(offsets: list) -> list:
+    """`walk_order` of host offsets, as a list."""
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    return sorted(range(len(lengths)), key=lambda n: -lengths[n])
+
+
+def ordered_block(walk_order, block_seq, block_head, num_seqs, HV):
+    """(sequence, v-head) of the block at grid position (block_seq, block_head) of a (.., N, HV)
+    walk grid: the grid's blocks in launch order take the sequences of `walk_order` in turn,
+    all v-heads of one sequence together (expressions for a TileLang kernel body)."""
+    slot = block_seq + num_seqs * block_head
+    return walk_order[slot // HV], slot % HV
+
+
 @contextlib.contextmanager
 def switched_globals(namespace: dict, **values):
     """Set module-level kernel switches (names already in `namespace`, a module's globals())

@@ -24,11 +24,13 @@ dict (all tensors contiguous, token-major like the inputs):
     saved["chunk_table"]: [NC, 2] int32  (sequence, chunk-in-sequence) per chunk, varlen only
     saved["chunk_offsets"]: [N + 1] int32 each sequence's first chunk in that table, varlen only
                         (None when nothing needed it)
+    saved["walk_order"]: [N] int32 the sequences longest first, the order of the walks' blocks
+                        (`tilelang_common.walk_order`), varlen unsplit only
     saved["cu_seqlens"] : int32 cu_seqlens or None
     saved["scale"], saved["state_v_first"] : python values
     saved["partitions"]: int, how many partitions the fused kernel walked (N when unsplit)
     saved["split"]    : only when split (`tilelang_split`): part_cu, part_chunk_table,
-                        part_chunk_offsets, seq_parts, first_parts, S_in (state entering each
+                        part_chunk_offsets, part_order, seq_parts, first_parts, S_in (state entering each
                         partition, fp32 [NP, HV, K, V]), M (transition of each partition) and
                         dh_walk_chunks (`decay_tables`)
 
@@ -61,7 +63,7 @@ import math
 import torch
 
 from .tilelang_common import (CHUNK, chunk_offsets, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang,
-                              kernel_operand, state_kv_layout, switched_globals, tl_dtype)
+                              kernel_operand, ordered_block, state_kv_layout, switched_globals, tl_dtype, walk_order)
 
 LOG2E = 1.4426950408889634
 
@@ -401,7 +403,8 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
     recompute: h_st [NC, HV, K, V] dtype, the state entering each chunk, and vres [B, T, HV, V]
     dtype, v - exp(G) (k S) (`tilelang_bwd_impl.build_bwd_h_kernel` writes the same two); chunk
     c of sequence n is row chunk_offsets[n] + c (varlen: an int32 [N + 1] argument after them;
-    dense: b * ceil(T / 64) + c)."""
+    dense: b * ceil(T / 64) + c). Varlen grids take an int32 [N] `order` after cu_seqlens: the
+    sequences in the order their blocks start (`tilelang_common.walk_order`, longest first)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -413,6 +416,7 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
     if is_varlen:
         Ttot = T.dynamic("num_tokens")
         N1 = T.dynamic("num_seqs_plus_one")
+        NS = T.dynamic("num_seqs")  # order: the walk order of the sequences (`walk_order`)
 
         if store_states:
 
@@ -424,6 +428,7 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
                 ag: T.Tensor((1, Ttot, HV, C), dtype),
                 gc: T.Tensor((1, Ttot, HV), acc),
                 cu_seqlens: T.Tensor((N1,), "int32"),
+                order: T.Tensor((NS,), "int32"),
                 h0: T.Tensor((N0, HV, *h_dims), acc),
                 o: T.Tensor((1, Ttot, HV, V), dtype),
                 ht: T.Tensor((NT, HV, *h_dims), acc),
@@ -431,7 +436,8 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
                 vres: T.Tensor((1, Ttot, HV, V), dtype),
                 chunk_offsets: T.Tensor((N1,), "int32"),
             ):
-                with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+                with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
+                    n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)
                     s0 = cu_seqlens[n]
                     body(q, k, v, ag, gc, h0, o, ht, 0, n, bhv, bv, s0, cu_seqlens[n + 1] - s0,
                          h_st, vres, chunk_offsets[n])
@@ -446,11 +452,13 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
             ag: T.Tensor((1, Ttot, HV, C), dtype),
             gc: T.Tensor((1, Ttot, HV), acc),
             cu_seqlens: T.Tensor((N1,), "int32"),
+            order: T.Tensor((NS,), "int32"),
             h0: T.Tensor((N0, HV, *h_dims), acc),
             o: T.Tensor((1, Ttot, HV, V), dtype),
             ht: T.Tensor((NT, HV, *h_dims), acc),
         ):
-            with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+            with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
+                n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)
                 s0 = cu_seqlens[n]
                 body(q, k, v, ag, gc, h0, o, ht, 0, n, bhv, bv, s0, cu_seqlens[n + 1] - s0)
 
@@ -523,8 +531,10 @@ def _check_inputs(q, k, v, g, beta, cu_seqlens):
 
 
 # The four-warpgroup forward (`tilelang_fwd_ws4.py`: a whole 128-wide state per block) instead of
-# the three-warpgroup one where its grid fills the GPU. Off until measured on the H200.
-FOUR_WARPGROUPS = False
+# the three-warpgroup one where its grid fills the GPU. H200, bf16, TP1 forward, same run
+# (results/bench_kernels_h200_2026-12-04_ws4.md): 1x32k 0.786 vs 0.875 ms, 4x8k 0.722 vs 0.805;
+# 8 uneven documents in 32k 0.987 vs 0.962 before the walks took the longest documents first.
+FOUR_WARPGROUPS = True
 
 
 def switches(**values):
@@ -653,7 +663,7 @@ def tilelang_chunk_gated_delta_rule_fwd(
     cu = cu_seqlens.to(torch.int32).contiguous() if varlen else None
     N = (cu.shape[0] - 1) if varlen else B
 
-    seq_tab, seq_offsets, plan = None, None, None
+    seq_tab, seq_offsets, seq_order, plan = None, None, None, None
     if partitions not in (None, "off", 1) and Tn > 0 and N > 0:
         from .tilelang_split import plan_split
 
@@ -665,7 +675,7 @@ def tilelang_chunk_gated_delta_rule_fwd(
         plan = plan_split(cu_host, HV, V, partitions, _sm_count(q.device))
         if varlen:
             tabs = plan.device_tensors(q.device)  # built from the host offsets, cached with the plan
-            seq_tab, seq_offsets = tabs["seq_chunk_table"], tabs["seq_chunk_offsets"]
+            seq_tab, seq_offsets, seq_order = tabs["seq_chunk_table"], tabs["seq_chunk_offsets"], tabs["seq_order"]
         if plan.is_trivial:
             plan = None
 
@@ -718,7 +728,8 @@ def tilelang_chunk_gated_delta_rule_fwd(
                     saved["chunk_offsets"] = chunk_offsets(cu)
                 states += (saved["chunk_offsets"],)
         if varlen:
-            kern(q, k, v, ag, g_cum, cu, h0, o, ht, *states)
+            saved["walk_order"] = seq_order if seq_order is not None else walk_order(cu)
+            kern(q, k, v, ag, g_cum, cu, saved["walk_order"], h0, o, ht, *states)
         else:
             kern(q, k, v, ag, g_cum, h0, o, ht, *states)
     elif output_final_state:
@@ -765,12 +776,13 @@ def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state,
     states = ()
     if cfg.get("store_states"):
         states = (*_state_outputs(saved, int(idx["part_chunk_table"].shape[0]), vf, K), idx["part_chunk_offsets"])
-    kern(qf, kf, vf, agf, gf, idx["part_cu"], s_in, o, ht, *states)
+    kern(qf, kf, vf, agf, gf, idx["part_cu"], idx["part_order"], s_in, o, ht, *states)
     final = state_kv_layout(ht.index_select(0, idx["last_parts"]), state_v_first) if output_final_state else None
     split = {
         "part_cu": idx["part_cu"],
         "part_chunk_table": idx["part_chunk_table"],
         "part_chunk_offsets": idx["part_chunk_offsets"],
+        "part_order": idx["part_order"],
         "seq_parts": idx["seq_parts"],
         "first_parts": idx["first_parts"],
         "S_in": s_in,
