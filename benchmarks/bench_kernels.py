@@ -51,12 +51,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 CHUNK = 64
 
-# name: (B, T, H, HV, K, V, n_varlen_seqs or None)
+# name: (B, T, H, HV, K, V, n_varlen_seqs (random uneven lengths), a tuple of lengths, or None)
 SHAPES = {
     "tp1_1x8k": (1, 8192, 16, 32, 128, 128, None),
     "tp1_1x32k": (1, 32768, 16, 32, 128, 128, None),
     "tp1_4x8k": (4, 8192, 16, 32, 128, 128, None),
     "tp1_varlen8_32k": (1, 32768, 16, 32, 128, 128, 8),
+    # one long document among short ones (a packed training batch): the walks' balance
+    "tp1_varlen_skew_32k": (1, 32768, 16, 32, 128, 128, (24576,) + (1024,) * 8),
     "tp8_1x32k": (1, 32768, 2, 4, 128, 128, None),
     "tp8_1x128k": (1, 131072, 2, 4, 128, 128, None),
 }
@@ -133,7 +135,18 @@ def shape_inputs(name):
     if not nseq:
         return q, k, v, g, beta, None
     packed = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
-    return (*packed, varlen_cu(B * T, nseq))
+    return (*packed, shape_cu(name))
+
+
+def shape_cu(name):
+    """cu_seqlens (CPU int64) of a varlen shape: its given lengths or random uneven ones."""
+    B, T, nseq = SHAPES[name][0], SHAPES[name][1], SHAPES[name][6]
+    if isinstance(nseq, tuple):
+        assert sum(nseq) == B * T
+        cu = torch.zeros(len(nseq) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(torch.tensor(nseq), 0)
+        return cu
+    return varlen_cu(B * T, nseq)
 
 
 def lib_versions():
@@ -338,7 +351,7 @@ def main():
         ref = reference_outputs(q, k, v, g, beta, cu, scale)
         for lib in libs:
             row = {"shape": sname, "B": B, "T": T, "H": H, "HV": HV, "K": K, "V": V,
-                   "varlen_seqs": nseq, "lib": lib}
+                   "varlen_seqs": len(nseq) if isinstance(nseq, tuple) else nseq, "lib": lib}
             try:
                 ours_cfg = tuned.get(sname) if lib == "ours" else None
                 if ours_cfg:

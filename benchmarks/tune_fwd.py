@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_kernels import SHAPES, make_inputs, varlen_cu  # noqa: E402
+from bench_kernels import SHAPES, make_inputs, shape_cu  # noqa: E402
 
 from flash_qla_cp.kernels.tilelang_common import compile_kernel, precompile  # noqa: E402
 from flash_qla_cp.kernels.tilelang_fwd import fwd_kernel_specs, prepare_fwd  # noqa: E402
@@ -59,7 +59,7 @@ def main():
         q, k, v, g, beta = make_inputs(B, T, H, HV, K, V)
         cu = None
         if nseq:
-            cu = varlen_cu(B * T, nseq).to(device="cuda", dtype=torch.int32)
+            cu = shape_cu(sname).to(device="cuda", dtype=torch.int32)
             q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
         g_cum, ag, tab = prepare_fwd(k, g, beta, cu_seqlens=cu)
         row = {"shape": sname}

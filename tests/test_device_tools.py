@@ -38,4 +38,4 @@ def test_fused_ws_precompile_specs_build():
     specs = load_specs("precompile_specs_fused_ws.py")
     assert {factory.__name__ for factory, _ in specs} == {"build_bwd_fused_ws_kernel"}
     factory, params = specs[0]
-    assert len(factory(**params).params) == 17  # the fused walk's argument list
+    assert len(factory(**params).params) == 18  # the fused walk's argument list (with its walk order)

@@ -6,8 +6,10 @@ import torch
 from flash_qla_cp.kernels.tilelang_common import (CHUNK, chunk_offsets, chunk_table, host_walk_order, kernel_operand,
                                                   ordered_block, walk_order)
 from flash_qla_cp.kernels.tilelang_split import (
+    LONG_WALK_SLACK,
     WARMUP_LOG_DECAY,
     auto_partitions,
+    balance_partitions,
     dh_warmup_chunks,
     host_chunk_offsets,
     host_chunk_table,
@@ -101,6 +103,22 @@ def test_auto_plan_matches_auto_partitions():
     # two sequences (walks of 2 x 4 v-heads): 32k -> 16 partitions, 8k -> 4
     plan = plan_split([0, 32768, 32768 + 8192], HV=4, V=128, parts="auto", sms=132)
     assert plan.seq_parts == [0, 16, 20] and plan.split_parts == list(range(20))
+
+
+def test_auto_plan_cuts_a_long_document_among_short_ones():
+    # TP1: one 24k document and eight of 1k. 288 walks unsplit: the fill rule cuts nothing, and
+    # the long document's 375 chunk steps would take 3x the batch's even share per SM (122)
+    cu = [0, 24000] + [24000 + 1024 * i for i in range(1, 9)]
+    plan = plan_split(cu, HV=32, V=128, parts="auto", sms=132)
+    counts = [plan.seq_parts[n + 1] - plan.seq_parts[n] for n in range(len(cu) - 1)]
+    assert counts == [4] + [1] * 8
+    steps = [-(-(b - a) // CHUNK) for a, b in zip(plan.part_cu, plan.part_cu[1:])]
+    assert max(steps) <= LONG_WALK_SLACK * 32 * sum(steps) / 132
+    # even batches are left as the fill rule has them (the bench's 8 uneven documents in 32k too)
+    assert plan_split([0, 8192, 16384, 24576, 32768], HV=32, V=128, parts="auto", sms=132).is_trivial
+    bench_cu = [0, 4199, 9832, 11880, 14158, 17361, 22287, 26454, 32768]
+    assert plan_split(bench_cu, HV=32, V=128, parts="auto", sms=132).is_trivial
+    assert balance_partitions(375, 122.0) == 4 and balance_partitions(100, 10.0) == 2  # 32-chunk floor
 
 
 def _gates(T, rates, seed):

@@ -44,6 +44,9 @@ LOG2E = 1.4426950408889634
 # little (TP1 1x8k 0.257 -> 0.266, TP8 1x128k 0.498 -> 0.527): the rule is for training.
 MIN_CHUNKS_PER_PART = 32
 MAX_PARTS = 64
+# Uneven varlen batches: a sequence walked in more than this many times the chunk steps an SM
+# gets with the batch's work spread evenly is cut further (`balance_partitions`).
+LONG_WALK_SLACK = 1.5
 # A state damped by exp(-16) ~ 1.1e-7 (the fp32 resolution) may be dropped. The bound
 # ||prod_t exp(g_t) (I - beta_t k_t k_t^T)|| <= exp(sum g) needs beta_t ||k_t||^2 <= 2, i.e. no
 # step that expands the state: the layer's l2-normalised k and sigmoid beta give that, and
@@ -55,6 +58,7 @@ __all__ = [
     "host_chunk_table",
     "plan_split",
     "auto_partitions",
+    "balance_partitions",
     "warmup_starts",
     "dh_warmup_chunks",
     "WARMUP_LOG_DECAY",
@@ -84,6 +88,18 @@ def auto_partitions(n_chunks: int, num_seqs: int, HV: int, V: int, sms: int) -> 
     blocks = walk_blocks(num_seqs, HV, V)
     parts = 1
     while parts < MAX_PARTS and blocks * 2 * parts <= sms and n_chunks // (2 * parts) >= MIN_CHUNKS_PER_PART:
+        parts *= 2
+    return parts
+
+
+def balance_partitions(n_chunks: int, per_sm_chunks: float) -> int:
+    """Partitions (a power of two) that keep one sequence's walks within LONG_WALK_SLACK x
+    `per_sm_chunks`, the chunk steps per SM of the whole batch spread evenly. Without it a batch
+    of many short documents and one long one (too many walks in all for `auto_partitions` to cut
+    anything) runs for as long as the long document's walk, with most SMs idle at the end."""
+    parts = 1
+    while (parts < MAX_PARTS and n_chunks / parts > LONG_WALK_SLACK * per_sm_chunks
+           and n_chunks // (2 * parts) >= MIN_CHUNKS_PER_PART):
         parts *= 2
     return parts
 
@@ -242,7 +258,8 @@ def dh_warmup_chunks(g_cum: torch.Tensor, plan: "SplitPlan", threshold: float = 
 def plan_split(cu_host, HV: int, V: int, parts="auto", sms: int = 132) -> SplitPlan:
     """Cut each sequence of `cu_host` (host ints) at chunk boundaries into partitions.
 
-    parts: 'auto' (`auto_partitions` per sequence) or an int P (at most one per chunk). The
+    parts: 'auto' (per sequence the larger of `auto_partitions` and `balance_partitions`) or an
+    int P (at most one per chunk). The
     backward runs over the same partitions.
     Empty sequences keep one empty partition so that every sequence has a first and a last.
     Plans are cached: a training loop with fixed shapes builds each one once.
@@ -254,11 +271,13 @@ def plan_split(cu_host, HV: int, V: int, parts="auto", sms: int = 132) -> SplitP
 def _plan_split(cu_host: tuple, HV: int, V: int, parts, sms: int) -> SplitPlan:
     lengths = [b - a for a, b in zip(cu_host, cu_host[1:])]
     num_seqs = len(lengths)
+    # chunk steps per SM with every walk of the batch spread evenly (one block per SM)
+    per_sm_chunks = walk_blocks(1, HV, V) * sum(-(-length // CHUNK) for length in lengths) / max(1, sms)
     part_cu, seq_parts, split_parts = [cu_host[0]], [0], []
     for n, length in enumerate(lengths):
         chunks = -(-length // CHUNK)
         if parts == "auto":
-            P = auto_partitions(chunks, num_seqs, HV, V, sms)
+            P = max(auto_partitions(chunks, num_seqs, HV, V, sms), balance_partitions(chunks, per_sm_chunks))
         else:
             P = max(1, min(int(parts), chunks))
         start = cu_host[n]
