@@ -79,9 +79,9 @@ def test_partitions_tile_each_sequence_at_chunk_boundaries(parts):
 
 
 def test_auto_partitions_aim_at_one_walk_per_sm():
-    # TP8 (4 v-heads), one 32k sequence (512 chunks): 16 partitions of 32 chunks (32 would fit
-    # the SMs but leave 16 chunks each); at TP1 (32 v-heads) 4 x 32 walks fill 132 SMs
-    assert auto_partitions(512, num_seqs=1, HV=4, V=128, sms=132) == 16
+    # TP8 (4 v-heads), one 32k sequence (512 chunks): 32 partitions of 16 chunks (128 walks);
+    # at TP1 (32 v-heads) 4 x 32 walks fill 132 SMs
+    assert auto_partitions(512, num_seqs=1, HV=4, V=128, sms=132) == 32
     assert auto_partitions(512, num_seqs=1, HV=32, V=128, sms=132) == 4
     # 128k: at TP8 32 x 4 walks, at TP1 as for 32k
     assert auto_partitions(2048, num_seqs=1, HV=4, V=128, sms=132) == 32
@@ -89,10 +89,11 @@ def test_auto_partitions_aim_at_one_walk_per_sm():
     # one 8k sequence (128 chunks) at TP1: 4 partitions of 32 chunks; four of them fill the SMs
     assert auto_partitions(128, num_seqs=1, HV=32, V=128, sms=132) == 4
     assert auto_partitions(128, num_seqs=4, HV=32, V=128, sms=132) == 1
-    # many sequences already fill the GPU; short sequences are not cut below 32 chunks
+    # many sequences already fill the GPU; short sequences are not cut below 16 chunks
     assert auto_partitions(512, num_seqs=8, HV=32, V=128, sms=132) == 1
-    assert auto_partitions(40, num_seqs=1, HV=4, V=128, sms=132) == 1
-    assert auto_partitions(64, num_seqs=1, HV=4, V=128, sms=132) == 2
+    assert auto_partitions(20, num_seqs=1, HV=4, V=128, sms=132) == 1
+    assert auto_partitions(40, num_seqs=1, HV=4, V=128, sms=132) == 2
+    assert auto_partitions(64, num_seqs=1, HV=4, V=128, sms=132) == 4
     # a wider state is walked in 128-column slices: V = 256 counts twice
     assert auto_partitions(512, num_seqs=1, HV=32, V=256, sms=132) == 2
     # a smaller GPU gets fewer partitions
@@ -100,9 +101,9 @@ def test_auto_partitions_aim_at_one_walk_per_sm():
 
 
 def test_auto_plan_matches_auto_partitions():
-    # two sequences (walks of 2 x 4 v-heads): 32k -> 16 partitions, 8k -> 4
+    # two sequences (walks of 2 x 4 v-heads): 32k -> 16 partitions, 8k -> 8
     plan = plan_split([0, 32768, 32768 + 8192], HV=4, V=128, parts="auto", sms=132)
-    assert plan.seq_parts == [0, 16, 20] and plan.split_parts == list(range(20))
+    assert plan.seq_parts == [0, 16, 24] and plan.split_parts == list(range(24))
 
 
 def test_auto_plan_cuts_a_long_document_among_short_ones():
@@ -118,7 +119,9 @@ def test_auto_plan_cuts_a_long_document_among_short_ones():
     assert plan_split([0, 8192, 16384, 24576, 32768], HV=32, V=128, parts="auto", sms=132).is_trivial
     bench_cu = [0, 4199, 9832, 11880, 14158, 17361, 22287, 26454, 32768]
     assert plan_split(bench_cu, HV=32, V=128, parts="auto", sms=132).is_trivial
-    assert balance_partitions(375, 122.0) == 4 and balance_partitions(100, 10.0) == 2  # 32-chunk floor
+    assert balance_partitions(375, 122.0) == 4
+    # never aimed below two minimal partitions: short walks on a busy GPU gain nothing from more cuts
+    assert balance_partitions(100, 10.0) == 4 and balance_partitions(64, 1.0) == 2
 
 
 def _gates(T, rates, seed):

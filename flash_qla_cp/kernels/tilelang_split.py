@@ -35,14 +35,17 @@ import torch
 from .tilelang_common import CHUNK, compile_kernel, host_walk_order, import_tilelang, kernel_operand, tl_dtype
 
 LOG2E = 1.4426950408889634
-# Partitions keep at least this many chunks (2k tokens). The auto rule aims at one backward walk
+# Partitions keep at least this many chunks (1k tokens). The auto rule aims at one backward walk
 # per SM (the fused walk runs one block per SM over (partition, v-head) pairs). H200, bf16,
 # K = V = 128, fwd+bwd ms by partitions per sequence, CUDA-graph replays
 # (benchmarks/results/tune_split_walks_h200_2026-12-03.json): TP1 1x8k P = 1 1.32, P = 2 1.30,
 # P = 4 1.08; TP8 1x32k P = 4 1.21, P = 8 0.84, P = 16 0.78; TP8 1x128k P = 16 2.46, P = 32 2.07;
-# TP1 1x32k P = 4 3.68 (P = 8 was ~2% slower, sixth session). More partitions cost the forward a
-# little (TP1 1x8k 0.257 -> 0.266, TP8 1x128k 0.498 -> 0.527): the rule is for training.
-MIN_CHUNKS_PER_PART = 32
+# TP1 1x32k P = 4 3.68 (P = 8 was ~2% slower, sixth session). With the fused walk and the kept
+# chunk states, TP8 1x32k P = 16 0.651 vs P = 32 (partitions of 16 chunks: 128 walks, the fused
+# walk) 0.584 (results/tune_split_tp8_p32_h200_2026-12-04.json), hence 16 rather than 32 here.
+# More partitions cost the forward a little (TP8 1x32k 0.181 -> 0.205 ms, TP1 1x8k 0.257 -> 0.266):
+# the rule is for training.
+MIN_CHUNKS_PER_PART = 16
 MAX_PARTS = 64
 # Uneven varlen batches: a sequence walked in more than this many times the chunk steps an SM
 # gets with the batch's work spread evenly is cut further (`balance_partitions`).
@@ -96,9 +99,11 @@ def balance_partitions(n_chunks: int, per_sm_chunks: float) -> int:
     """Partitions (a power of two) that keep one sequence's walks within LONG_WALK_SLACK x
     `per_sm_chunks`, the chunk steps per SM of the whole batch spread evenly. Without it a batch
     of many short documents and one long one (too many walks in all for `auto_partitions` to cut
-    anything) runs for as long as the long document's walk, with most SMs idle at the end."""
+    anything) runs for as long as the long document's walk, with most SMs idle at the end.
+    Walks of two minimal partitions are as short as cutting can make them: no target below that."""
+    target = max(LONG_WALK_SLACK * per_sm_chunks, 2 * MIN_CHUNKS_PER_PART)
     parts = 1
-    while (parts < MAX_PARTS and n_chunks / parts > LONG_WALK_SLACK * per_sm_chunks
+    while (parts < MAX_PARTS and n_chunks / parts > target
            and n_chunks // (2 * parts) >= MIN_CHUNKS_PER_PART):
         parts *= 2
     return parts
