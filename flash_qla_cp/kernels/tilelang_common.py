@@ -198,12 +198,12 @@ def host_walk_order(offsets: list) -> list:
     return sorted(range(len(lengths)), key=lambda n: -lengths[n])
 
 
-def ordered_block(walk_order, block_seq, block_head, num_seqs, HV):
+def ordered_block(order, block_seq, block_head, num_seqs, HV):
     """(sequence, v-head) of the block at grid position (block_seq, block_head) of a (.., N, HV)
-    walk grid: the grid's blocks in launch order take the sequences of `walk_order` in turn,
-    all v-heads of one sequence together (expressions for a TileLang kernel body)."""
+    walk grid: the grid's blocks in launch order take the sequences of `order` (a `walk_order`
+    table) in turn, all v-heads of one sequence together (expressions for a TileLang kernel body)."""
     slot = block_seq + num_seqs * block_head
-    return walk_order[slot // HV], slot % HV
+    return order[slot // HV], slot % HV
 
 
 @contextlib.contextmanager
