@@ -247,6 +247,34 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
 # ----------------------------------------------------------------------------------------
 # Kernel 2: the chunk recurrence fused with the output.
 # ----------------------------------------------------------------------------------------
+def state_io(T, K, BV, use_initial_state, store_final_state, state_v_first):
+    """TileLang macros (load_initial_state, store_final) moving a block's S[K, BV] fp32 slice
+    between registers and h0 / ht (layout [.., V, K] when state_v_first); shared by every fused
+    forward kernel."""
+
+    @T.macro
+    def load_initial_state(s_f, h0, n, bhv, v0):
+        if use_initial_state:
+            if state_v_first:
+                for i, j in T.Parallel(K, BV):
+                    s_f[i, j] = h0[n, bhv, v0 + j, i]
+            else:
+                T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
+        else:
+            T.clear(s_f)
+
+    @T.macro
+    def store_final(s_f, ht, n, bhv, v0):
+        if store_final_state:
+            if state_v_first:
+                for i, j in T.Parallel(K, BV):
+                    ht[n, bhv, v0 + j, i] = s_f[i, j]
+            else:
+                T.copy(s_f, ht[n, bhv, :, v0 : v0 + BV])
+
+    return load_initial_state, store_final
+
+
 def build_fused_fwd_kernel(
     H: int,
     HV: int,
@@ -280,6 +308,7 @@ def build_fused_fwd_kernel(
     assert V % BV == 0 and BV % 16 == 0
     NV = V // BV
     scale = float(scale)
+    load_initial_state, store_final = state_io(T, K, BV, use_initial_state, store_final_state, state_v_first)
 
     @T.macro
     def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len):
@@ -305,14 +334,7 @@ def build_fused_fwd_kernel(
         o_f = T.alloc_fragment((C, BV), acc)
         glast = T.alloc_var(acc)
 
-        if use_initial_state:
-            if state_v_first:
-                for i, j in T.Parallel(K, BV):
-                    s_f[i, j] = h0[n, bhv, v0 + j, i]
-            else:
-                T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
-        else:
-            T.clear(s_f)
+        load_initial_state(s_f, h0, n, bhv, v0)
 
         n_chunks = T.ceildiv(seq_len, C)
         for c in T.Pipelined(n_chunks, num_stages=num_stages):
@@ -384,12 +406,7 @@ def build_fused_fwd_kernel(
                     if i < L:
                         o[bb, t0 + i, bhv, v0 + j] = o_f[i, j]
 
-        if store_final_state:
-            if state_v_first:
-                for i, j in T.Parallel(K, BV):
-                    ht[n, bhv, v0 + j, i] = s_f[i, j]
-            else:
-                T.copy(s_f, ht[n, bhv, :, v0 : v0 + BV])
+        store_final(s_f, ht, n, bhv, v0)
 
     return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, threads)
 

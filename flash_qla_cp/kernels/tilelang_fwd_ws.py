@@ -20,36 +20,18 @@ before the barrier that publishes them.
 """
 
 from .tilelang_common import CHUNK, import_tilelang, tl_dtype
-from .tilelang_fwd import fused_fwd_entry
+from .tilelang_fwd import fused_fwd_entry, state_io
 
 LOG2E = 1.4426950408889634
 
 
 def ws_pieces(T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_state, state_v_first):
     """The steps both warp-specialised forwards (this kernel and `tilelang_fwd_ws4.py`) share, as
-    TileLang macros: entering / leaving state, the output's masked P, the loader warp's loop."""
+    TileLang macros: entering / leaving state (`tilelang_fwd.state_io`), the output's masked P,
+    the stores, the loader warp's loop."""
     C = CHUNK
     G = HV // H
-
-    @T.macro
-    def load_initial_state(s_f, h0, n, bhv, v0):
-        if use_initial_state:
-            if state_v_first:
-                for i, j in T.Parallel(K, BV):
-                    s_f[i, j] = h0[n, bhv, v0 + j, i]
-            else:
-                T.copy(h0[n, bhv, :, v0 : v0 + BV], s_f)
-        else:
-            T.clear(s_f)
-
-    @T.macro
-    def store_final(s_f, ht, n, bhv, v0):
-        if store_final_state:
-            if state_v_first:
-                for i, j in T.Parallel(K, BV):
-                    ht[n, bhv, v0 + j, i] = s_f[i, j]
-            else:
-                T.copy(s_f, ht[n, bhv, :, v0 : v0 + BV])
+    load_initial_state, store_final = state_io(T, K, BV, use_initial_state, store_final_state, state_v_first)
 
     @T.macro
     def masked_p(q_s, k_s, g_s, s, p_f, p_s):
