@@ -192,12 +192,6 @@ def walk_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
 
 
-def host_walk_order(offsets: list) -> list:
-    """`walk_order` of host offsets, as a list."""
-    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    return sorted(range(len(lengths)), key=lambda n: -lengths[n])
-
-
 def ordered_block(order, block_seq, block_head, num_seqs, HV):
     """(sequence, v-head) of the block at grid position (block_seq, block_head) of a (.., N, HV)
     walk grid: the grid's blocks in launch order take the sequences of `order` (a `walk_order`

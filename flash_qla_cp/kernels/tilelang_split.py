@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tilelang_common import CHUNK, compile_kernel, host_walk_order, import_tilelang, kernel_operand, tl_dtype
+from .tilelang_common import CHUNK, compile_kernel, import_tilelang, kernel_operand, tl_dtype, walk_order
 
 LOG2E = 1.4426950408889634
 # Partitions keep at least this many chunks (1k tokens). The auto rule aims at one backward walk
@@ -135,8 +135,8 @@ class SplitPlan:
                 "seq_chunk_table": host_chunk_table(self.seq_cu, device),
                 "part_chunk_offsets": host_chunk_offsets(self.part_cu, device),
                 "seq_chunk_offsets": host_chunk_offsets(self.seq_cu, device),
-                "part_order": torch.tensor(host_walk_order(self.part_cu), **i32).to(device),
-                "seq_order": torch.tensor(host_walk_order(self.seq_cu), **i32).to(device),
+                "part_order": walk_order(torch.tensor(self.part_cu)).to(device),
+                "seq_order": walk_order(torch.tensor(self.seq_cu)).to(device),
             }
         return self._on_device[key]
 
