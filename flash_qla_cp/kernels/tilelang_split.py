@@ -276,11 +276,11 @@ def plan_split(cu_host, HV: int, V: int, parts="auto", sms: int = 132) -> SplitP
 def _plan_split(cu_host: tuple, HV: int, V: int, parts, sms: int) -> SplitPlan:
     lengths = [b - a for a, b in zip(cu_host, cu_host[1:])]
     num_seqs = len(lengths)
+    chunk_counts = [-(-length // CHUNK) for length in lengths]
     # chunk steps per SM with every walk of the batch spread evenly (one block per SM)
-    per_sm_chunks = walk_blocks(1, HV, V) * sum(-(-length // CHUNK) for length in lengths) / max(1, sms)
+    per_sm_chunks = walk_blocks(1, HV, V) * sum(chunk_counts) / max(1, sms)
     part_cu, seq_parts, split_parts = [cu_host[0]], [0], []
-    for n, length in enumerate(lengths):
-        chunks = -(-length // CHUNK)
+    for n, (length, chunks) in enumerate(zip(lengths, chunk_counts)):
         if parts == "auto":
             P = max(auto_partitions(chunks, num_seqs, HV, V, sms), balance_partitions(chunks, per_sm_chunks))
         else:
