@@ -795,9 +795,9 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
 
     gcum = _saved_tensor(saved, "g_cumsum", (1, Ttot, HV))
     ag = _saved_tensor(saved, "Ag", (1, Ttot, HV, CHUNK))
-    ctab = saved.get("chunk_table") if isinstance(saved, dict) and cu_seqlens is not None else None
-    coffs = saved.get("chunk_offsets") if isinstance(saved, dict) and cu_seqlens is not None else None
-    order = saved.get("walk_order") if isinstance(saved, dict) and cu_seqlens is not None else None
+    # the varlen forward's chunk bookkeeping, reused when it is there
+    varlen_saved = saved if isinstance(saved, dict) and cu_seqlens is not None else {}
+    ctab = varlen_saved.get("chunk_table")
     if gcum is None or ag is None or ag.dtype != dt:
         from .tilelang_fwd import prepare_fwd
 
@@ -830,8 +830,9 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         order = dense_tabs["seq_order"]
     else:
         ctab = ctab if ctab is not None else chunk_table(cu)
-        chunk_offsets = coffs if coffs is not None else chunk_offsets_of(cu)
-        order = order if order is not None else walk_order(cu)
+        chunk_offsets = varlen_saved.get("chunk_offsets")
+        chunk_offsets = chunk_offsets if chunk_offsets is not None else chunk_offsets_of(cu)
+        order = varlen_saved.get("walk_order")  # None: `_fused_walk` computes it (only it needs it)
     NC = int(ctab.shape[0])
 
     use_h0 = user_h0 or split is not None
@@ -949,13 +950,15 @@ def switches(**values):
 def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, use_dht, store_dh0, scale,
                 dq, dk, dv, dg, db, dh0):
     """Run the fused walk; dq / dk (per qk-head) are the sums of its per-v-head parts, rounded to
-    the input dtype like the peer's (with HV == H the walk writes dq and dk themselves)."""
+    the input dtype like the peer's (with HV == H the walk writes dq and dk themselves). `order`:
+    the walk order of the sequences of `cu`, or None to compute it."""
     from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
 
     _, Ttot, H, K = qf.shape
     HV = dof.shape[2]
     kern = compile_kernel(build_bwd_fused_ws_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
                           scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
+    order = order if order is not None else walk_order(cu)
     if HV == H:
         kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq, dk, dv, dg, db, dh0)
         return
