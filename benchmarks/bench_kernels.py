@@ -9,6 +9,8 @@ Libraries (same inputs, same process, same timing method):
   ours_recompute  the same as ours with save_states=False: the backward recomputes the chunk
             states instead of reading the ones the forward kept (less memory, one more walk)
   ours_ws4  the same as ours with the four-warpgroup forward (tilelang_fwd.FOUR_WARPGROUPS on)
+  ours_otma  the same as ours with the four-warpgroup forward's o stored through shared memory
+            by TMA (tilelang_fwd.O_TMA on)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
@@ -185,7 +187,7 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
             t.grad = None
         o.backward(do)
 
-    if lib in ("ours", "ours_nosplit", "ours_recompute", "ours_ws4"):
+    if lib in ("ours", "ours_nosplit", "ours_recompute", "ours_ws4", "ours_otma"):
         from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
         from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
 
@@ -208,11 +210,11 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
                            intra_cp=intra, save_states=keep, cu_seqlens_cpu=cu_cpu)
             backward(o, ins)
 
-        if lib == "ours_ws4":
+        if lib in ("ours_ws4", "ours_otma"):
             from flash_qla_cp.kernels import tilelang_fwd
 
-            return (_switched(fwd, tilelang_fwd.switches, FOUR_WARPGROUPS=True),
-                    _switched(fwdbwd, tilelang_fwd.switches, FOUR_WARPGROUPS=True))
+            switch = dict(FOUR_WARPGROUPS=True, O_TMA=lib == "ours_otma")
+            return (_switched(fwd, tilelang_fwd.switches, **switch), _switched(fwdbwd, tilelang_fwd.switches, **switch))
         return fwd, fwdbwd
 
     if lib == "flashqla":

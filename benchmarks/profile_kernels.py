@@ -1,6 +1,7 @@
 """Per-kernel GPU time of our forward and forward+backward (torch.profiler), to see where time goes.
 
     python benchmarks/profile_kernels.py --shapes tp8_1x32k --intra auto,off
+    python benchmarks/profile_kernels.py --shapes tp1_1x32k --lib flashqla   # the peer's kernels
 
 Prints, per shape and intra setting, each CUDA kernel's total time over --iters iterations
 divided by --iters (ms per call), and writes profile_kernels.json under --out. Next to the
@@ -72,11 +73,22 @@ def host_times(fn, iters):
             [(ev.key[:60], round(ev.self_cpu_time_total / 1000, 4), ev.count) for ev in top])
 
 
+def operation(lib, intra):
+    """The public op of `lib` as f(q, k, v, g, beta, **kw)."""
+    if lib == "flashqla":
+        from flash_qla import chunk_gated_delta_rule as peer
+
+        return peer
+    return lambda *a, **kw: chunk_gated_delta_rule(*a, backend="tilelang", intra_cp=intra, **kw)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="tp8_1x32k")
     ap.add_argument("--intra", default="auto,off")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--lib", default="ours", choices=("ours", "flashqla"),
+                    help="flashqla: profile FlashQLA's public op instead (--intra is ignored)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -86,16 +98,16 @@ def main():
         cu = None if cu is None else cu.to("cuda", torch.int32)
         ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta)]
         do = torch.randn_like(v)
-        for intra in args.intra.split(","):
-            intra = intra if intra in ("auto", "off") else int(intra)
+        for intra in (args.intra.split(",") if args.lib == "ours" else ["-"]):
+            intra = intra if intra in ("auto", "off", "-") else int(intra)
+            op = operation(args.lib, intra)
 
             def fwd():
                 with torch.no_grad():
-                    chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu,
-                                           backend="tilelang", intra_cp=intra)
+                    op(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
 
             def fwdbwd():
-                o, _ = chunk_gated_delta_rule(*ins, cu_seqlens=cu, backend="tilelang", intra_cp=intra)
+                o, _ = op(*ins, cu_seqlens=cu)
                 for t in ins:  # written, not accumulated (as bench_kernels.py)
                     t.grad = None
                 o.backward(do)
@@ -103,7 +115,7 @@ def main():
             for name, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
                 rows = kernel_times(fn, args.iters)
                 wall, host, waits, top = host_times(fn, args.iters)
-                entry = {"shape": sname, "intra": str(intra), "pass": name,
+                entry = {"shape": sname, "lib": args.lib, "intra": str(intra), "pass": name,
                          "total_ms": round(sum(r[1] for r in rows), 4), "wall_ms": wall, "host_ms": host,
                          "waiting_calls": waits, "kernels": rows[:12], "host_ops": top}
                 result.append(entry)

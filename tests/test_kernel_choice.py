@@ -30,11 +30,25 @@ def test_four_warpgroup_forward_is_chosen_only_when_switched_on_and_its_grid_fil
         cfg = tilelang_fwd.default_fused_config(4, 32, 128, 132)  # 128 blocks of 128-wide states
         small = tilelang_fwd.default_fused_config(1, 32, 128, 132)  # 32 blocks: narrower tiles
         k64 = tilelang_fwd.default_fused_config(4, 32, 64, 132, K=64)
-    assert cfg == {"warp_specialized": True, "four_warpgroups": True, "block_v": 128}
+    assert cfg == {"warp_specialized": True, "four_warpgroups": True, "block_v": 128, "o_tma": tilelang_fwd.O_TMA}
     assert "four_warpgroups" not in small and "four_warpgroups" not in k64
     factory, params = tilelang_fwd.fwd_kernel_specs(16, 32, 128, 128, torch.bfloat16, 0.1, True, True, True, **cfg,
                                                     store_states=True)[1]
     assert factory is build_fused_fwd_ws4_kernel and params["block_v"] == 128 and params["store_states"]
+    assert params.get("o_tma", False) == tilelang_fwd.O_TMA
+
+
+def test_o_tma_is_an_option_of_the_four_warpgroup_forward_only():
+    from flash_qla_cp.kernels import tilelang_fwd
+
+    with tilelang_fwd.switches(O_TMA=False):
+        assert "o_tma" not in tilelang_fwd.default_fused_config(4, 32, 128, 132)
+    with tilelang_fwd.switches(O_TMA=True):
+        assert tilelang_fwd.default_fused_config(4, 32, 128, 132)["o_tma"] is True
+        assert "o_tma" not in tilelang_fwd.default_fused_config(1, 32, 128, 132)  # three warpgroups
+    with pytest.raises(ValueError, match="o_tma"):
+        tilelang_fwd.fwd_kernel_specs(16, 32, 128, 128, torch.bfloat16, 0.1, True, True, True,
+                                      warp_specialized=True, block_v=64, o_tma=True)
 
 
 def test_backward_walk_choice():

@@ -118,7 +118,8 @@ def _warp_specialized_cases() -> list[KernelCase]:
     cases = []
     # three warpgroups: the default tiles, then the options: a three-stage ring; the chunk states
     # kept for the backward (TMA stores from the output warpgroup). Four warpgroups
-    # (tilelang_fwd_ws4.py): a whole 128-wide state per block, with and without the stores.
+    # (tilelang_fwd_ws4.py): a whole 128-wide state per block, with and without the stores, and
+    # o through a shared tile and a TMA store.
     for factory, bv, dim, varlen, v_first, opts in (
         (build_fused_fwd_ws_kernel, 64, 128, False, False, {}),
         (build_fused_fwd_ws_kernel, 32, 128, True, True, {}),
@@ -129,6 +130,8 @@ def _warp_specialized_cases() -> list[KernelCase]:
         (build_fused_fwd_ws4_kernel, 128, 128, True, False, {}),
         (build_fused_fwd_ws4_kernel, 128, 128, False, True, {"store_states": True}),
         (build_fused_fwd_ws4_kernel, 64, 128, True, False, {"store_states": True}),
+        (build_fused_fwd_ws4_kernel, 128, 128, True, False, {"o_tma": True}),
+        (build_fused_fwd_ws4_kernel, 128, 128, False, False, {"store_states": True, "o_tma": True}),
     ):
         tag = "".join(f"_{k}{int(v)}" for k, v in opts.items())
         kind = "ws4" if factory is build_fused_fwd_ws4_kernel else "ws"
@@ -136,7 +139,9 @@ def _warp_specialized_cases() -> list[KernelCase]:
         # TMA loads into mbarriers, register hand-off between warpgroups
         expect = ("wgmma", "tma_load", "warpgroup_reg_alloc")
         if opts.get("store_states"):
-            entry, expect = entry + "_states", expect + ("tma_store",)
+            entry = entry + "_states"
+        if opts.get("store_states") or opts.get("o_tma"):
+            expect = expect + ("tma_store",)
         cases.append(
             KernelCase(
                 name=f"fwd_fused_{kind}_k{dim}_bv{bv}_{'varlen' if varlen else 'dense'}{tag}",

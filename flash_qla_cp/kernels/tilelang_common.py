@@ -58,6 +58,16 @@ def import_tilelang():
     return tilelang, T
 
 
+def swizzle_read_tiles(*tiles):
+    """Give TMA-filled shared tiles that threads read elementwise (never as a GEMM operand, so
+    TileLang picks no layout for them) the 128-byte swizzle: read in an accumulator's layout,
+    the 8 rows a warp touches at once are 2^k * 128 bytes apart in a row-major tile and share
+    their banks (8-way conflicts, ncu). The TMA writes the swizzle; reads follow it. Call inside
+    a kernel body."""
+    tilelang, T = import_tilelang()
+    T.annotate_layout({t: tilelang.layout.make_swizzled_layout(t) for t in tiles})
+
+
 # The walk kernels run one block per SM (their shared memory), so a grid "fills the GPU" once
 # its blocks cover ~90% of the SMs: the rule behind the forward's V tiles, the split backward's
 # V tiles and the fused backward walk (H200 measurements at each use).

@@ -552,10 +552,16 @@ def _check_inputs(q, k, v, g, beta, cu_seqlens):
 # (results/bench_kernels_h200_2026-12-04_ws4.md): 1x32k 0.786 vs 0.875 ms, 4x8k 0.722 vs 0.805;
 # 8 uneven documents in 32k 0.987 vs 0.962 before the walks took the longest documents first.
 FOUR_WARPGROUPS = True
+# The four-warpgroup forward's o leaves through a shared tile and a TMA store (`o_tma`) instead
+# of each thread's fragment stores (half-sector writes that queued behind the state hand-over's
+# shared-memory traffic). H200, bf16 forward, same run (results/bench_kernels_h200_2026-12-04_otma.md):
+# TP1 1x32k 0.742 -> 0.640 ms, 4x8k 0.662 -> 0.571, 8 documents 0.688 -> 0.603, TP8 1x128k
+# 0.463 -> 0.421; outputs bitwise equal (check_fwd ws4otma cases).
+O_TMA = True
 
 
 def switches(**values):
-    """Set this module's kernel switches (FOUR_WARPGROUPS) inside a `with` block."""
+    """Set this module's kernel switches (FOUR_WARPGROUPS, O_TMA) inside a `with` block."""
     return switched_globals(globals(), **values)
 
 
@@ -574,7 +580,8 @@ def default_fused_config(n_seqs, HV, V, sm_count=132, K=128):
     if K > 128:
         return {"block_v": 32 if pairs * (V // 32) >= sm_count // 2 else 16, "threads": 128}
     if FOUR_WARPGROUPS and V % 128 == 0 and grid_fills_gpu(pairs * (V // 128), sm_count):
-        return {"warp_specialized": True, "four_warpgroups": True, "block_v": 128}
+        cfg = {"warp_specialized": True, "four_warpgroups": True, "block_v": 128}
+        return {**cfg, "o_tma": True} if O_TMA else cfg
     for bv in (64, 32):
         if V % bv == 0 and grid_fills_gpu(pairs * (V // bv), sm_count):
             return {"warp_specialized": True, "block_v": bv}
@@ -589,7 +596,7 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
     `warp_specialized=True` picks `tilelang_fwd_ws.build_fused_fwd_ws_kernel` instead (same
     arguments; only block_v and num_stages apply to it), with `four_warpgroups=True` too
     `tilelang_fwd_ws4.build_fused_fwd_ws4_kernel` (the state chain over two warpgroups, for
-    block_v 128); `store_states` applies to both.
+    block_v 128, and its `o_tma`); `store_states` applies to both.
     """
     if block_v is None:
         block_v = 64 if V % 64 == 0 else V
@@ -603,6 +610,9 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
     store_states = bool(opts.pop("store_states", False))
     factory = build_fused_fwd_kernel
     four_warpgroups = bool(opts.pop("four_warpgroups", False))
+    o_tma = bool(opts.pop("o_tma", False))
+    if o_tma and not four_warpgroups:
+        raise ValueError("o_tma is an option of the four-warpgroup forward")
     if opts.pop("warp_specialized", False):
         from .tilelang_fwd_ws import build_fused_fwd_ws_kernel
         from .tilelang_fwd_ws4 import build_fused_fwd_ws4_kernel
@@ -612,6 +622,8 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
         opts = {"num_stages": opts["num_stages"]} if opts.get("num_stages", 2) != 2 else {}
         if store_states:
             opts["store_states"] = True
+        if o_tma:
+            opts["o_tma"] = True
     elif store_states:
         raise ValueError("store_states needs the warp-specialised forward (K <= 128)")
     fused.update(opts)

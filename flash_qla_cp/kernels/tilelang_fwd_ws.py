@@ -19,7 +19,7 @@ buffers may be overwritten). Shared-memory writes read by wgmma are fenced to th
 before the barrier that publishes them.
 """
 
-from .tilelang_common import CHUNK, import_tilelang, tl_dtype
+from .tilelang_common import CHUNK, import_tilelang, swizzle_read_tiles, tl_dtype
 from .tilelang_fwd import fused_fwd_entry, state_io
 
 LOG2E = 1.4426950408889634
@@ -150,6 +150,7 @@ def build_fused_fwd_ws_kernel(
         q_s = T.alloc_shared((NS, C, K), dtype)
         k_s = T.alloc_shared((NS, C, K), dtype)
         v_s = T.alloc_shared((NS, C, BV), dtype)
+        swizzle_read_tiles(v_s)  # read elementwise: no bank conflicts
         a_s = T.alloc_shared((NS, C, C), dtype)
         g_s = T.alloc_shared((NS, C), acc)
         # state -> output (single buffers, released by out_done)

@@ -22,7 +22,7 @@ output / state; vn_free when the output has read v_new: the state has read v_d b
 publishes the next h, which the value warpgroup waits for).
 """
 
-from .tilelang_common import CHUNK, import_tilelang, tl_dtype
+from .tilelang_common import CHUNK, import_tilelang, swizzle_read_tiles, tl_dtype
 from .tilelang_fwd import fused_fwd_entry
 from .tilelang_fwd_ws import ws_pieces
 
@@ -43,9 +43,11 @@ def build_fused_fwd_ws4_kernel(
     block_v: int = 128,
     num_stages: int = 2,
     store_states: bool = False,
+    o_tma: bool = False,
 ):
     """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N or B, HV),
-    512 threads). num_stages: depth of the loader's ring."""
+    512 threads). num_stages: depth of the loader's ring. o_tma: whole chunks of o leave through
+    a shared tile and a TMA store (coalesced) instead of each thread's fragment stores."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -60,6 +62,7 @@ def build_fused_fwd_ws4_kernel(
     # holds K x BV / 128 floats of S (128 at BV = 128), the value warpgroup two [64, BV]
     # accumulators, the output warpgroup P and o
     STATE_REGS, VALUE_REGS, OUTPUT_REGS, LOADER_REGS = 168, 168, 144, 32
+    O_TILE_BARRIER = 12  # a named barrier id TileLang's own per-warpgroup syncs (3-5) do not use
     load_initial_state, store_final, masked_p, store_w, store_o, loader = ws_pieces(
         T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_state, state_v_first)
 
@@ -70,6 +73,7 @@ def build_fused_fwd_ws4_kernel(
         q_s = T.alloc_shared((NS, C, K), dtype)
         k_s = T.alloc_shared((NS, C, K), dtype)
         v_s = T.alloc_shared((NS, C, BV), dtype)
+        swizzle_read_tiles(v_s)  # read elementwise: no bank conflicts
         a_s = T.alloc_shared((NS, C, C), dtype)
         g_s = T.alloc_shared((NS, C), acc)
         # hand-overs
@@ -79,6 +83,7 @@ def build_fused_fwd_ws4_kernel(
         # private
         w_s = T.alloc_shared((C, BV), dtype)  # value (read by the output's TMA store)
         p_s = T.alloc_shared((C, C), dtype)  # output
+        o_s = T.alloc_shared((C, BV), dtype) if o_tma else None  # output (TMA store source)
         s_f = T.alloc_fragment((K, BV), acc)
         x_f = T.alloc_fragment((C, BV), acc)
         vn_f = T.alloc_fragment((C, BV), acc)
@@ -168,7 +173,20 @@ def build_fused_fwd_ws4_kernel(
                     T.tma_store_wait(0)
                 T.barrier_arrive(vn_free)
                 T.barrier_arrive(data_free[s])
-                store_o(o_f, o, bb, t0, bhv, v0, L)
+                if o_tma:
+                    if L == C:  # a partial chunk's rows past L belong to the next sequence
+                        T.tma_store_wait(0)  # the previous chunk's store has read o_s
+                        T.sync_threads(O_TILE_BARRIER, WG)
+                        T.copy(o_f, o_s)
+                        T.fence_proxy_async()
+                        T.sync_threads(O_TILE_BARRIER, WG)
+                        T.tma_copy(o_s, o[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
+                    else:
+                        store_o(o_f, o, bb, t0, bhv, v0, L)
+                else:
+                    store_o(o_f, o, bb, t0, bhv, v0, L)
+            if o_tma:
+                T.tma_store_wait(0)  # o_s must outlive the last store's read
         else:
             # ---- loader: one warp issues the loads, the other three wait at the exit ----
             T.set_max_nreg(LOADER_REGS, 0)

@@ -119,7 +119,7 @@ def run_case(name, B, T, H, HV, K, V, dtype, cu=None, with_h0=True, final=True, 
         and (not final or (res["ht_rel_err"] <= tol and not res["ht_nan"]))
     )
     if cfg and cfg.get("four_warpgroups"):  # same arithmetic as the three-warpgroup kernel: recorded
-        three = {key: val for key, val in cfg.items() if key != "four_warpgroups"}
+        three = {key: val for key, val in cfg.items() if key not in ("four_warpgroups", "o_tma")}
         o3, ht3, _ = tilelang_chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, scale=scale, initial_state=h0_in, output_final_state=final,
             cu_seqlens=cu_t, state_v_first=state_v_first, fused_config=three,
@@ -180,6 +180,14 @@ CASES = [
                                 cfg={"warp_specialized": True, "four_warpgroups": True, "block_v": 64})),
     ("ws4_bv128_dense_T8192", dict(B=1, T=8192, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16,
                                    cfg={"warp_specialized": True, "four_warpgroups": True, "block_v": 128})),
+    # ... with o stored through shared memory by TMA (whole chunks; a partial chunk by fragments)
+    ("ws4otma_bv128_varlen_odd", dict(B=1, T=1000, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16,
+                                      cu=[0, 1, 65, 200, 777, 1000],
+                                      cfg={"warp_specialized": True, "four_warpgroups": True, "block_v": 128,
+                                           "o_tma": True})),
+    ("ws4otma_bv128_dense_T8192", dict(B=1, T=8192, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16,
+                                       cfg={"warp_specialized": True, "four_warpgroups": True, "block_v": 128,
+                                            "o_tma": True})),
     ("ws_bv64_stages3_varlen_odd", dict(B=1, T=1000, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
                                         cu=[0, 1, 65, 200, 777, 1000],
                                         cfg={"warp_specialized": True, "block_v": 64, "num_stages": 3})),

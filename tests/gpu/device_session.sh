@@ -10,7 +10,8 @@
 #
 # Phases: check_fwd check_bwd check_walk check_split check_cp bench ncu tune_fwd trace_fwd tune_split profile long_seq. SHAPES / LIBS narrow the
 # benchmark (GRAPHS=1 adds CUDA-graph replay timings, also to tune_split; BENCH_NAME names its output folder; SHAPES / PARTS / FWD_BV / SPLIT_H the split sweep);
-# CP_CHECKS the CP checks (intra, inter); CHECK_FWD_ARGS check_fwd.py's options (default "--quick");
+# NCU_KERNEL / SHAPE / NCU_LIB / NCU_NAME / NCU_ARGS (e.g. --fwd-only) the ncu phase's kernel, shape, library (ours, flashqla) and file names; PROFILE_LIB the
+# profile phase's library; CP_CHECKS the CP checks (intra, inter); CHECK_FWD_ARGS check_fwd.py's options (default "--quick");
 # VARIANTS tune_fwd.py's kernel variants; CHECK_BWD_ARGS check_bwd.py's options (default
 # "--quick --no-bench"; e.g. "--no-bench --h-kernel ws"; CHECK_BWD_OUT its output folder); SEQ_LENS the long-sequence ladder
 # (with activation checkpointing). CHECK_SPLIT_ARGS / TUNE_SPLIT_ARGS pass more options (e.g. --fused-walk-on).
@@ -44,14 +45,14 @@ for phase in "$@"; do
                   ${SPLIT_H:+--split-h-kernels "$SPLIT_H"} ${GRAPHS:+--graphs} ${TUNE_SPLIT_ARGS:-} 2>&1 \
                   | grep '^{' | cut -c1-400 ;;
     profile) timeout 240 python benchmarks/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
-               ${INTRA:+--intra "$INTRA"} 2>&1 | grep '^{' | cut -c1-1500 ;;
+               ${INTRA:+--intra "$INTRA"} ${PROFILE_LIB:+--lib "$PROFILE_LIB"} 2>&1 | grep '^{' | cut -c1-1500 ;;
     ncu)  # per-instruction stall samples of one kernel (NCU_KERNEL) on one shape; read with benchmarks/ncu_stalls.py
       timeout 400 /usr/local/cuda/bin/ncu --section SpeedOfLight --section SourceCounters --section WarpStateStats \
-        --import-source no -k "regex:${NCU_KERNEL:-gdn_bwd_fused_ws}" --launch-skip 1 --launch-count 1 -f -o "$OUT/ncu" \
-        python benchmarks/run_shape.py "${SHAPE:-tp1_1x32k}" 2>&1 | grep -v "Parallel Compiling" | tail -4
-      /usr/local/cuda/bin/ncu -i "$OUT/ncu.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
-      /usr/local/cuda/bin/ncu -i "$OUT/ncu.ncu-rep" --page source --print-source sass --csv 2>/dev/null | xz -9 > "$OUT/ncu_sass.csv.xz"
-      rm -f "$OUT/ncu.ncu-rep"; grep -E "Duration|Registers Per|Issue Slots Busy|No Eligible" "$OUT/ncu_details.txt" ;;
+        --import-source no -k "regex:${NCU_KERNEL:-gdn_bwd_fused_ws}" --launch-skip 1 --launch-count 1 -f -o "$OUT/${NCU_NAME:-ncu}" \
+        python benchmarks/run_shape.py "${SHAPE:-tp1_1x32k}" ${NCU_LIB:+--lib "$NCU_LIB"} ${NCU_ARGS:-} 2>&1 | grep -v "Parallel Compiling" | tail -4
+      /usr/local/cuda/bin/ncu -i "$OUT/${NCU_NAME:-ncu}.ncu-rep" --page details > "$OUT/${NCU_NAME:-ncu}_details.txt" 2>&1
+      /usr/local/cuda/bin/ncu -i "$OUT/${NCU_NAME:-ncu}.ncu-rep" --page source --print-source sass --csv 2>/dev/null | xz -9 > "$OUT/${NCU_NAME:-ncu}_sass.csv.xz"
+      rm -f "$OUT/${NCU_NAME:-ncu}.ncu-rep"; grep -E "Duration|Registers Per|Issue Slots Busy|No Eligible" "$OUT/${NCU_NAME:-ncu}_details.txt" ;;
     check_cp) timeout "${CHECK_TIMEOUT:-300}" python tests/gpu/check_cp.py ${CP_CHECKS:-intra inter} 2>&1 | grep -v TileLang | tee "$OUT/check_cp.log" | cut -c1-600 ;;
     bench) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_kernels.py --out "$OUT/${BENCH_NAME:-bench}" ${GRAPHS:+--graphs} \
              ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-300 ;;
