@@ -843,7 +843,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         ctab = ctab if ctab is not None else chunk_table(cu)
         chunk_offsets = varlen_saved.get("chunk_offsets")
         chunk_offsets = chunk_offsets if chunk_offsets is not None else chunk_offsets_of(cu)
-        order = varlen_saved.get("walk_order")  # None: `_fused_walk` computes it (only it needs it)
+        order = varlen_saved.get("walk_order")
+        order = order if order is not None else walk_order(cu)  # every walk takes it
     NC = int(ctab.shape[0])
 
     use_h0 = user_h0 or split is not None
@@ -961,15 +962,13 @@ def switches(**values):
 def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, use_dht, store_dh0, scale,
                 dq, dk, dv, dg, db, dh0):
     """Run the fused walk; dq / dk (per qk-head) are the sums of its per-v-head parts, rounded to
-    the input dtype like the peer's (with HV == H the walk writes dq and dk themselves). `order`:
-    the walk order of the sequences of `cu`, or None to compute it."""
+    the input dtype like the peer's (with HV == H the walk writes dq and dk themselves)."""
     from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
 
     _, Ttot, H, K = qf.shape
     HV = dof.shape[2]
     kern = compile_kernel(build_bwd_fused_ws_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
                           scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
-    order = order if order is not None else walk_order(cu)
     if HV == H:
         kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq, dk, dv, dg, db, dh0)
         return
