@@ -43,6 +43,8 @@ Kernels (all take packed [1, Ttot, ...] tensors, cu_seqlens [N+1] int32):
 * `build_bwd_grad_group_kernel` grid (NC, H), 256 threads (the default): one chunk and one
   qk-head per block, walking its HV/H v-heads in order; dq, dk accumulate on chip and are
   written once in the input dtype; dg (already reverse-cumsummed) and dbeta in fp32.
+The two walks take the sequences in the order of an int32 [N] table (`walk_order`: longest first,
+so that a long sequence does not start last) and their chunk offsets [N+1].
 The two walks also exist warp-specialised, with the same contracts (`tilelang_bwd_h_ws.py`,
 `tilelang_bwd_dh_ws.py`: TMA loader warp, and for dh a second warpgroup for the parts that do
 not depend on dS); `DEFAULT_H_KERNEL` / `DEFAULT_DH_KERNEL` choose.
@@ -52,7 +54,7 @@ No atomics anywhere: the result is bitwise deterministic.
 import torch
 
 from .tilelang_common import (CHUNK, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang, kernel_operand,
-                              state_kv_layout, switched_globals, tl_dtype, walk_order)
+                              ordered_block, state_kv_layout, switched_globals, tl_dtype, walk_order)
 from .tilelang_common import chunk_offsets as chunk_offsets_of
 
 LOG2E = 1.4426950408889634
@@ -172,13 +174,15 @@ def build_bwd_h_kernel(H: int, HV: int, K: int, V: int, dtype: str, use_initial_
 def bwd_h_entry(walk, H, HV, K, V, dtype, NV, threads):
     """PrimFunc `gdn_bwd_h` (the h walk's argument list, grid (NV, N, HV)) around `walk`, a
     T.macro (k, v, ag, gc, cu_seqlens, chunk_offsets, h0, h_out, vres_out, bv, n, bhv).
-    Shared by the serial and the warp-specialised (`tilelang_bwd_h_ws.py`) kernels."""
+    Shared by the serial and the warp-specialised (`tilelang_bwd_h_ws.py`) kernels. Like the dh
+    walk's, its grid starts the sequences of `order` ([N] int32, `walk_order`) in turn."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
     Ttot = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
     N1 = T.dynamic("num_seqs_plus_one")
+    NS = T.dynamic("num_seqs")
     N0 = T.dynamic("n_h0")
 
     @T.prim_func
@@ -189,11 +193,13 @@ def bwd_h_entry(walk, H, HV, K, V, dtype, NV, threads):
         gc: T.Tensor((1, Ttot, HV), acc),
         cu_seqlens: T.Tensor((N1,), "int32"),
         chunk_offsets: T.Tensor((N1,), "int32"),
+        order: T.Tensor((NS,), "int32"),
         h0: T.Tensor((N0, HV, K, V), acc),
         h_out: T.Tensor((NC, HV, K, V), dtype),
         vres_out: T.Tensor((1, Ttot, HV, V), dtype),
     ):
-        with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+        with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
+            n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)  # longest sequences first
             walk(k, v, ag, gc, cu_seqlens, chunk_offsets, h0, h_out, vres_out, bv, n, bhv)
 
     return gdn_bwd_h
@@ -353,6 +359,7 @@ def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads, limit_chunks=False):
     Ttot = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
     N1 = T.dynamic("num_seqs_plus_one")
+    NS = T.dynamic("num_seqs")
     NT = T.dynamic("n_dht")
     N0 = T.dynamic("n_dh0")
 
@@ -366,13 +373,15 @@ def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads, limit_chunks=False):
             gc: T.Tensor((1, Ttot, HV), acc),
             cu_seqlens: T.Tensor((N1,), "int32"),
             chunk_offsets: T.Tensor((N1,), "int32"),
+            order: T.Tensor((NS,), "int32"),
             dht: T.Tensor((NT, HV, K, V), acc),
             dh_out: T.Tensor((NC, HV, K, V), dtype),
             dvn_out: T.Tensor((1, Ttot, HV, V), dtype),
             dv_out: T.Tensor((1, Ttot, HV, V), dtype),
             dh0: T.Tensor((N0, HV, K, V), acc),
         ):
-            with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+            with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
+                n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)  # longest sequences first
                 walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, dh_out, dvn_out, dv_out, dh0, dh0, bv, n,
                      bhv)
 
@@ -389,11 +398,13 @@ def bwd_dh_entry(walk, H, HV, K, V, dtype, NV, threads, limit_chunks=False):
         gc: T.Tensor((1, Ttot, HV), acc),
         cu_seqlens: T.Tensor((N1,), "int32"),
         chunk_offsets: T.Tensor((N1,), "int32"),
+        order: T.Tensor((NS,), "int32"),
         dht: T.Tensor((NT, HV, K, V), acc),
         dh0: T.Tensor((N0, HV, K, V), acc),
         walk_chunks: T.Tensor((NW, HV), "int32"),
     ):
-        with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, n, bhv):
+        with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
+            n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)  # longest sequences first
             walk(q, k, do, ag, gc, cu_seqlens, chunk_offsets, dht, None, None, None, dh0, walk_chunks, bv, n, bhv)
 
     return gdn_bwd_dh_limited
@@ -832,7 +843,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         ctab = ctab if ctab is not None else chunk_table(cu)
         chunk_offsets = varlen_saved.get("chunk_offsets")
         chunk_offsets = chunk_offsets if chunk_offsets is not None else chunk_offsets_of(cu)
-        order = varlen_saved.get("walk_order")  # None: `_fused_walk` computes it (only it needs it)
+        order = varlen_saved.get("walk_order")
+        order = order if order is not None else walk_order(cu)  # every walk takes it
     NC = int(ctab.shape[0])
 
     use_h0 = user_h0 or split is not None
@@ -878,14 +890,14 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
             from .tilelang_split import scan_partitions
 
             if not states_saved:
-                k_h(kf, vf, ag, gcum, cu, chunk_offsets, split["S_in"], h_st, vres)
+                k_h(kf, vf, ag, gcum, cu, chunk_offsets, order, split["S_in"], h_st, vres)
             # the gradient reaching each partition's start from its own outputs: only its first
             # chunks matter until the gates have decayed by e^-16 (`dh_warmup_chunks`); this
             # pass writes dh0 only
             dh_factory, dh_params = specs[1]
             k_dh_warm = compile_kernel(dh_factory, **dh_params, limit_chunks=True)
             no_exit_grad = torch.zeros(N, *sdims, dtype=torch.float32, device=dev)
-            k_dh_warm(qf, kf, dof, ag, gcum, cu, chunk_offsets, no_exit_grad, dh0, split["dh_walk_chunks"])
+            k_dh_warm(qf, kf, dof, ag, gcum, cu, chunk_offsets, order, no_exit_grad, dh0, split["dh_walk_chunks"])
             seq_exit_grad = dhtf if use_dht else torch.zeros(len(split["first_parts"]), *sdims,
                                                              dtype=torch.float32, device=dev)
             exit_grad = scan_partitions(split["M"].transpose(-1, -2), dh0, split["seq_parts"], seq_exit_grad,
@@ -894,16 +906,16 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
                 _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, True, True,
                             scale, dq, dk, dv, dg, db, dh0)
             else:
-                k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, exit_grad, dh_st, dvn, dv, dh0)
+                k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, order, exit_grad, dh_st, dvn, dv, dh0)
             dh0 = dh0.index_select(0, split["first_parts"]) if user_h0 else dh0
         else:
             if not states_saved:
-                k_h(kf, vf, ag, gcum, cu, chunk_offsets, h0, h_st, vres)
+                k_h(kf, vf, ag, gcum, cu, chunk_offsets, order, h0, h_st, vres)
             if fused_walk:
                 _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, dhtf, use_dht, use_h0,
                             scale, dq, dk, dv, dg, db, dh0)
             else:
-                k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, dhtf, dh_st, dvn, dv, dh0)
+                k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, order, dhtf, dh_st, dvn, dv, dh0)
         if not fused_walk:
             k_grad(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq, dk, dg, db)
     else:
@@ -950,15 +962,13 @@ def switches(**values):
 def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, use_dht, store_dh0, scale,
                 dq, dk, dv, dg, db, dh0):
     """Run the fused walk; dq / dk (per qk-head) are the sums of its per-v-head parts, rounded to
-    the input dtype like the peer's (with HV == H the walk writes dq and dk themselves). `order`:
-    the walk order of the sequences of `cu`, or None to compute it."""
+    the input dtype like the peer's (with HV == H the walk writes dq and dk themselves)."""
     from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
 
     _, Ttot, H, K = qf.shape
     HV = dof.shape[2]
     kern = compile_kernel(build_bwd_fused_ws_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
                           scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
-    order = order if order is not None else walk_order(cu)
     if HV == H:
         kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq, dk, dv, dg, db, dh0)
         return
