@@ -8,9 +8,10 @@ Libraries (same inputs, same process, same timing method):
   ours_nosplit  the same with intra_cp="off" (one CTA walks a whole sequence per head and tile)
   ours_recompute  the same as ours with save_states=False: the backward recomputes the chunk
             states instead of reading the ones the forward kept (less memory, one more walk)
-  ours_ws4  the same as ours with the four-warpgroup forward (tilelang_fwd.FOUR_WARPGROUPS on)
+  ours_ws4  the same as ours with the four-warpgroup forward storing o from its fragments
+            (tilelang_fwd.FOUR_WARPGROUPS on, O_TMA off: the forward before o went by TMA)
   ours_otma  the same as ours with the four-warpgroup forward's o stored through shared memory
-            by TMA (tilelang_fwd.O_TMA on)
+            by TMA (tilelang_fwd.O_TMA on; ours's default now, kept for same-run comparisons)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and

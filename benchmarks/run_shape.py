@@ -16,8 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_kernels import SHAPES, shape_inputs  # noqa: E402
-
-from flash_qla_cp import chunk_gated_delta_rule  # noqa: E402
+from profile_kernels import operation  # noqa: E402
 
 
 def main():
@@ -27,9 +26,7 @@ def main():
     ap.add_argument("--lib", default="ours", choices=("ours", "flashqla"), help="flashqla: the peer's public op")
     ap.add_argument("--fwd-only", action="store_true", help="the inference forward (no_grad, final state out)")
     args = ap.parse_args()
-    op = lambda *a, **kw: chunk_gated_delta_rule(*a, backend="tilelang", **kw)  # noqa: E731
-    if args.lib == "flashqla":
-        from flash_qla import chunk_gated_delta_rule as op
+    op = operation(args.lib, "auto")
     q, k, v, g, beta, cu = shape_inputs(args.shape)
     cu = None if cu is None else cu.to("cuda", torch.int32)
     ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta)]

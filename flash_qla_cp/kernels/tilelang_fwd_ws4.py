@@ -173,16 +173,14 @@ def build_fused_fwd_ws4_kernel(
                     T.tma_store_wait(0)
                 T.barrier_arrive(vn_free)
                 T.barrier_arrive(data_free[s])
-                if o_tma:
-                    if L == C:  # a partial chunk's rows past L belong to the next sequence
-                        T.tma_store_wait(0)  # the previous chunk's store has read o_s
-                        T.sync_threads(O_TILE_BARRIER, WG)
-                        T.copy(o_f, o_s)
-                        T.fence_proxy_async()
-                        T.sync_threads(O_TILE_BARRIER, WG)
-                        T.tma_copy(o_s, o[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
-                    else:
-                        store_o(o_f, o, bb, t0, bhv, v0, L)
+                # o_tma: whole chunks only (a partial chunk's rows past L belong to the next sequence)
+                if o_tma and L == C:
+                    T.tma_store_wait(0)  # the previous chunk's store has read o_s
+                    T.sync_threads(O_TILE_BARRIER, WG)
+                    T.copy(o_f, o_s)
+                    T.fence_proxy_async()
+                    T.sync_threads(O_TILE_BARRIER, WG)
+                    T.tma_copy(o_s, o[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
                 else:
                     store_o(o_f, o, bb, t0, bhv, v0, L)
             if o_tma:
