@@ -550,18 +550,27 @@ def state_summaries(k, v, ag, gcum, plan: SplitPlan, starts: torch.Tensor):
     return h, M
 
 
-def _scan_block_v(V: int) -> int:
-    return 32 if V % 32 == 0 else V
+def scan_block_v(V: int, num_seqs: int, HV: int, sm_count: int) -> int:
+    """V tile of the partition scan. Each step of a block loads the whole K x K map M, whatever
+    its tile, so narrower tiles shorten a step while their blocks still fit on the SMs at once:
+    16 when they do, else 32. H200, one scan alone (results/tune_scan_h200_2026-12-04.json):
+    TP8 1x128k (32 partitions, 4 v-heads) 0.067 -> 0.041 ms at 16; TP1 1x32k (32 v-heads, 256
+    blocks at 16) 0.014 at 32 vs 0.017 at 16. The states are the same for every tile."""
+    if V % 32:
+        return V
+    return 16 if (V // 16) * num_seqs * HV <= sm_count else 32
 
 
 def scan_partitions(m, add, seq_parts_dev, s0, reverse: bool):
     """Run the partition scan: [NP, HV, K, V] fp32 (state entering each partition, or with
     reverse=True the gradient of the state leaving it)."""
+    from .tilelang_fwd import _sm_count
+
     NP, HV, K, _ = m.shape
     V = add.shape[-1]
     out = torch.empty(NP, HV, K, V, dtype=torch.float32, device=m.device)
     kern = compile_kernel(build_partition_scan_kernel, HV=HV, K=K, V=V, reverse=bool(reverse),
-                          block_v=_scan_block_v(V))
+                          block_v=scan_block_v(V, s0.shape[0], HV, _sm_count(m.device)))
     kern(kernel_operand(m), kernel_operand(add), seq_parts_dev, kernel_operand(s0), out)
     return out
 
@@ -569,10 +578,10 @@ def scan_partitions(m, add, seq_parts_dev, s0, reverse: bool):
 def split_kernel_specs(H, HV, K, V, dtype):
     """[(factory, params)] of the split-only kernels (for `precompile` and the CI lowering)."""
     dtype = tl_dtype(dtype)
-    bv = _scan_block_v(V)
+    tiles = sorted({scan_block_v(V, 1, HV, 10**6), scan_block_v(V, 1, HV, 0)})  # both tiles it may pick
     return [
         (build_state_summary_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype)),
-        (build_partition_scan_kernel, dict(HV=HV, K=K, V=V, reverse=False, block_v=bv)),
-        (build_partition_scan_kernel, dict(HV=HV, K=K, V=V, reverse=True, block_v=bv)),
+        *[(build_partition_scan_kernel, dict(HV=HV, K=K, V=V, reverse=rev, block_v=bv))
+          for bv in tiles for rev in (False, True)],
         (build_decay_tables_kernel, dict(HV=HV)),
     ]
