@@ -12,9 +12,6 @@ Libraries (same inputs, same process, same timing method):
             (tilelang_fwd.FOUR_WARPGROUPS on, O_TMA off: the forward before o went by TMA)
   ours_otma  the same as ours with the four-warpgroup forward's o stored through shared memory
             by TMA (tilelang_fwd.O_TMA on; ours's default now, kept for same-run comparisons)
-  ours_bwd_stores / ours_bwd_sdot / ours_bwd_both  the same as ours with the fused backward
-            walk built with whole_chunk_stores / sdot_in_state / both
-            (tilelang_bwd_impl.FUSED_WALK_OPTIONS; see build_bwd_fused_ws_kernel)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
@@ -175,14 +172,6 @@ def _switched(fn, switches, **values):
     return run
 
 
-# bench libraries that run ours with options of the fused backward walk
-FUSED_WALK_OPTION_LIBS = {
-    "ours_bwd_stores": {"whole_chunk_stores": True},
-    "ours_bwd_sdot": {"sdot_in_state": True},
-    "ours_bwd_both": {"whole_chunk_stores": True, "sdot_in_state": True},
-}
-
-
 def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
     """(fwd_fn, fwdbwd_fn or error string) for one library."""
     cu32 = None if cu is None else cu.to(device="cuda", dtype=torch.int32)
@@ -199,7 +188,7 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
             t.grad = None
         o.backward(do)
 
-    if lib in ("ours", "ours_nosplit", "ours_recompute", "ours_ws4", "ours_otma", *FUSED_WALK_OPTION_LIBS):
+    if lib in ("ours", "ours_nosplit", "ours_recompute", "ours_ws4", "ours_otma"):
         from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
         from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
 
@@ -222,11 +211,6 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
                            intra_cp=intra, save_states=keep, cu_seqlens_cpu=cu_cpu)
             backward(o, ins)
 
-        if lib in FUSED_WALK_OPTION_LIBS:
-            from flash_qla_cp.kernels import tilelang_bwd_impl
-
-            options = FUSED_WALK_OPTION_LIBS[lib]
-            return fwd, _switched(fwdbwd, tilelang_bwd_impl.switches, FUSED_WALK_OPTIONS=options)
         if lib in ("ours_ws4", "ours_otma"):
             from flash_qla_cp.kernels import tilelang_fwd
 

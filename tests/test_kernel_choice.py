@@ -90,23 +90,6 @@ def test_fused_walk_rejects_unknown_mode():
         fused_walk_wanted(128, 128, 128, 132, mode=True)
 
 
-def test_only_kernels_in_bounds_by_construction_drop_the_bounds_guards():
-    pytest.importorskip("tilelang")
-    import tilelang
-
-    from flash_qla_cp.kernels.tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
-    from flash_qla_cp.kernels.tilelang_common import default_pass_configs, kernel_pass_configs
-    from flash_qla_cp.kernels.tilelang_fwd import build_prepare_kernel
-
-    key = tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS
-    params = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", scale=0.1, use_dht=True, store_dh0=True)
-    assert kernel_pass_configs(build_bwd_fused_ws_kernel, params) == default_pass_configs()
-    assert kernel_pass_configs(build_bwd_fused_ws_kernel, dict(params, whole_chunk_stores=True))[key] is True
-    assert key not in kernel_pass_configs(build_bwd_fused_ws_kernel, dict(params, sdot_in_state=True))
-    assert key not in kernel_pass_configs(build_prepare_kernel, dict(H=2, HV=4, K=128, dtype="bfloat16",
-                                                                      is_varlen=True))
-
-
 @pytest.mark.parametrize("V,num_seqs,HV,sms,want", [
     (128, 1, 4, 132, 16),    # TP8 1x128k: 32 blocks at 16 columns
     (128, 1, 32, 132, 32),   # TP1 1x32k: 256 blocks at 16 would queue on 132 SMs

@@ -22,16 +22,15 @@ class LoweredKernel:
     shared_memory_bytes: int  # dynamic shared memory per block (0 if none)
 
 
-def lower_for_cuda(prim_func, arch: str = "sm_90a", configs: dict | None = None) -> LoweredKernel:
-    """Lower `prim_func` for `arch` (no GPU, no nvcc needed): its CUDA source and shared memory.
-    configs: its pass configs (`tilelang_common.kernel_pass_configs`; default: the defaults)."""
+def lower_for_cuda(prim_func, arch: str = "sm_90a") -> LoweredKernel:
+    """Lower `prim_func` for `arch` (no GPU, no nvcc needed): its CUDA source and shared memory."""
     import tilelang
     import tvm
 
     from .tilelang_common import default_pass_configs
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
-    with tvm.transform.PassContext(opt_level=3, config=configs or default_pass_configs()), target:
+    with tvm.transform.PassContext(opt_level=3, config=default_pass_configs()), target:
         artifact = tilelang.lower(prim_func, target=target)
     smem = max((int(fn.attrs["dyn_shared_memory_buf"]) for fn in artifact.device_mod.functions.values()
                 if fn.attrs is not None and "dyn_shared_memory_buf" in fn.attrs), default=0)

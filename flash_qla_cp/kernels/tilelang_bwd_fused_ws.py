@@ -45,18 +45,8 @@ LOG2E = 1.4426950408889634
 
 
 def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
-                              store_dh0: bool, whole_chunk_stores: bool = False, sdot_in_state: bool = False):
-    """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; see the module docstring).
-
-    Options that move work off the grad warpgroup (busy all the time in ncu, while the state
-    warpgroup waited ~20% of its time; benchmarks/NOTES_bwd.md):
-    whole_chunk_stores: the grad warpgroup stores whole chunks without a row test (only the
-    walk's first chunk can be partial), and the kernel is built without TileLang's bounds
-    guards (`in_bounds_by_construction`): every access is in range by construction.
-    sdot_in_state: <S, dS'> is summed by the state warpgroup from its fp32 dS' while it waits,
-    each element into a partial sum of the thread that holds it, so that no sum crosses warps
-    there; the grad warpgroup adds the 128 per-thread sums.
-    """
+                              store_dh0: bool):
+    """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; see the module docstring)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -84,17 +74,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             x[i, j] = x[i, j] * y[i, j]
         T.reduce_sum(x, row, dim=1)
         T.copy(row, r_s[slot, :])
-
-    @T.macro
-    def store_rows(src, dst, t0, bhv, L, width):
-        # dst[0, t0 + i, bhv, :] = src[i, :] for the chunk's L valid rows
-        if whole_chunk_stores and L == C:
-            for i, d in T.Parallel(C, width):
-                dst[0, t0 + i, bhv, d] = src[i, d]
-        else:
-            for i, d in T.Parallel(C, width):
-                if i < L:
-                    dst[0, t0 + i, bhv, d] = src[i, d]
 
     @T.macro
     def zero_rows(dst, L, width):
@@ -157,8 +136,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             pm_s = T.alloc_shared((C, C), dtype)  # Pm
             dg_s = T.alloc_shared((C,), acc)
             sc_s = T.alloc_shared((2,), acc)
-            if sdot_in_state:
-                sdot_s = T.alloc_shared((WG,), acc)  # the state warpgroup's per-thread <S, dS'> sums
 
             # state warpgroup
             ds_f = T.alloc_fragment((K, V), acc)
@@ -167,11 +144,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             sx_f = T.alloc_fragment((C, C), acc)
             srow_f = T.alloc_fragment((C,), acc)
             glast_s = T.alloc_var(acc)
-            if sdot_in_state:
-                # slot (t, d % 2) of thread t: the element (i, d) of a K x V wgmma accumulator over
-                # one warpgroup lies in thread (i % 64) // 16 * 32 + i % 8 * 4 + d % 8 // 2
-                sdot_f = T.alloc_fragment((WG, 2), acc)
-                sdot_t = T.alloc_fragment((WG,), acc)
             # grad warpgroup
             qk_f = T.alloc_fragment((C, C), acc)
             cc_f = T.alloc_fragment((C, C), acc)
@@ -179,11 +151,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             vn_f = T.alloc_fragment((C, V), acc)
             acc_f = T.alloc_fragment((C, K), acc)  # dq, then dk
             tmp_f = T.alloc_fragment((C, K), acc)
-            if sdot_in_state:
-                sdot_g = T.alloc_fragment((WG,), acc)
-            else:
-                hd_f = T.alloc_fragment((RS, V), acc)
-                hrow_f = T.alloc_fragment((RS,), acc)
+            hd_f = T.alloc_fragment((RS, V), acc)
+            hrow_f = T.alloc_fragment((RS,), acc)
             row_f = T.alloc_fragment((C,), acc)
             col_f = T.alloc_fragment((C,), acc)
             one_f = T.alloc_fragment((1,), acc)
@@ -234,13 +203,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         cv_f[i, d] = cv_f[i, d] * T.exp2((glast_s - g_s[s, i]) * LOG2E)
                     # dvn = P^T dO + diag(exp(GL - G)) k dS'  (rows >= L zero)
                     T.barrier_wait(ready_b, ph)
-                    if sdot_in_state:
-                        # <S, dS'> (S = h entering the chunk), while P is still being formed
-                        T.clear(sdot_f)
-                        for i, d in T.Parallel(K, V):
-                            sdot_f[(i % 64) // 16 * 32 + i % 8 * 4 + d % 8 // 2, d % 2] += (
-                                ds_f[i, d] * T.cast(h_s[i, d], acc))
-                        T.reduce_sum(sdot_f, sdot_t, dim=1)
                     T.barrier_wait(p_ready, ph)
                     T.gemm(p_s, do_s, cv_f, transpose_A=True)
                     T.barrier_arrive(p_free)
@@ -250,7 +212,9 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.fence_proxy_async()
                     # t = Ag^T dvn (= dv); te = -exp(G) t for the grad warpgroup
                     T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
-                    store_rows(cv_f, dv, t0, bhv, L, V)
+                    for i, d in T.Parallel(C, V):
+                        if i < L:
+                            dv[0, t0 + i, bhv, d] = cv_f[i, d]
                     for i, d in T.Parallel(C, V):
                         cv_f[i, d] = -cv_f[i, d] * T.exp2(g_s[s, i] * LOG2E)
                     T.barrier_wait(te_free, (cc + 1) % 2)
@@ -288,8 +252,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.gemm(k_s, k_s, sa_f, transpose_B=True, clear_accum=True)
                     T.barrier_wait(x_free, (cc + 1) % 2)
                     T.copy(sx_f, x_s)
-                    if sdot_in_state:
-                        T.copy(sdot_t, sdot_s)  # read by the grad warpgroup between x_ready and x_free
                     rowsum_times(sx_f, sa_f, srow_f, r_s, 1)
                     # colsum(X o k k^T) = rowsum(X^T o k k^T), X^T = -(M^T Ag) o Gam^T, strictly upper
                     T.gemm(da_s, a_s, sx_f, transpose_A=True, clear_accum=True)
@@ -375,19 +337,20 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.reduce_sum(tmp_f, row_f, dim=1)
                     T.copy(row_f, r_s[5, :])
                     T.gemm(pm_s, k_s, acc_f)
-                    store_rows(acc_f, dq_part, t0, bhv, L, K)
+                    for i, d in T.Parallel(C, K):
+                        if i < L:
+                            dq_part[0, t0 + i, bhv, d] = acc_f[i, d]
                     # dk = Pm^T q + diag(exp(GL - G)) v_new dS'^T + X k + X^T k - E t S^T
                     T.gemm(pm_s, q_s, acc_f, transpose_A=True, clear_accum=True)
                     T.barrier_wait(ds_ready, ph)
-                    if not sdot_in_state:
-                        # exp(GL) <S, dS'> (S = h, the state entering the chunk), in row slices
-                        T.clear(hd_f)
-                        for sl in T.serial(K // RS):
-                            for i, d in T.Parallel(RS, V):
-                                hd_f[i, d] += T.cast(h_s[sl * RS + i, d], acc) * T.cast(dh_s[sl * RS + i, d], acc)
-                        T.reduce_sum(hd_f, hrow_f, dim=1)
-                        T.reduce_sum(hrow_f, one_f, dim=0)
-                        sc_s[0] = one_f[0] * T.exp2(glast_g * LOG2E)
+                    # exp(GL) <S, dS'> (S = h, the state entering the chunk), in row slices
+                    T.clear(hd_f)
+                    for sl in T.serial(K // RS):
+                        for i, d in T.Parallel(RS, V):
+                            hd_f[i, d] += T.cast(h_s[sl * RS + i, d], acc) * T.cast(dh_s[sl * RS + i, d], acc)
+                    T.reduce_sum(hd_f, hrow_f, dim=1)
+                    T.reduce_sum(hrow_f, one_f, dim=0)
+                    sc_s[0] = one_f[0] * T.exp2(glast_g * LOG2E)
                     T.gemm(vn_s, dh_s, tmp_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(ds_free)
                     for i, d in T.Parallel(C, K):
@@ -403,10 +366,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     # X k + X^T k = (X + X^T) k (x_s and the dG / dbeta sums from the state warpgroup)
                     T.barrier_wait(x_ready, ph)
                     T.gemm(x_s, k_s, acc_f)
-                    if sdot_in_state:
-                        T.copy(sdot_s, sdot_g)
-                        T.reduce_sum(sdot_g, one_f, dim=0)
-                        sc_s[0] = one_f[0] * T.exp2(glast_g * LOG2E)
                     T.barrier_arrive(x_free)
                     # - E t S^T (te = -E t from the state warpgroup)
                     T.barrier_wait(te_ready, ph)
@@ -419,7 +378,9 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
                     T.reduce_sum(tmp_f, row_f, dim=1)
                     T.copy(row_f, r_s[6, :])
-                    store_rows(acc_f, dk_part, t0, bhv, L, K)
+                    for i, d in T.Parallel(C, K):
+                        if i < L:
+                            dk_part[0, t0 + i, bhv, d] = acc_f[i, d]
                     T.barrier_arrive(free_c)
                     # dG (reverse cumsum inside the chunk) and dbeta
                     for i in T.Parallel(C):
@@ -497,11 +458,3 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         T.barrier_arrive(ready_c)
 
     return gdn_bwd_fused_ws
-
-
-def _in_bounds_by_construction(params: dict) -> bool:
-    return bool(params.get("whole_chunk_stores", False))
-
-
-# read by tilelang_common.kernel_pass_configs: such kernels are built without bounds guards
-build_bwd_fused_ws_kernel.in_bounds_by_construction = _in_bounds_by_construction

@@ -940,9 +940,6 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
 # 1x32k 2.47 vs 1.21 and TP8 1x128k 3.04 vs 2.47: one block per walk leaves SMs idle unless the
 # walks about fill the GPU. "auto" uses it when they do, "on" / "off" always / never.
 FUSED_WALK = "auto"
-# Options of the fused walk (`build_bwd_fused_ws_kernel`: whole_chunk_stores, sdot_in_state),
-# each moving work off its grad warpgroup; {} builds it as measured on the H200 so far.
-FUSED_WALK_OPTIONS = {}
 
 
 def fused_walk_wanted(n_walks: int, K: int, V: int, sm_count: int, mode: str = None) -> bool:
@@ -971,8 +968,7 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order
     _, Ttot, H, K = qf.shape
     HV = dof.shape[2]
     kern = compile_kernel(build_bwd_fused_ws_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
-                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0),
-                          **FUSED_WALK_OPTIONS)
+                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
     if HV == H:
         kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq, dk, dv, dg, db, dh0)
         return
@@ -1044,8 +1040,4 @@ def lowering_cases():
         cases.append((f"gdn_bwd_fused_ws_k{dim}{'' if states else '_nostate'}", build_bwd_fused_ws_kernel,
                       dict(H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, use_dht=states,
                            store_dh0=states), "gdn_bwd_fused_ws"))
-    # with the options that move work to the state warpgroup
-    cases.append(("gdn_bwd_fused_ws_k128_state_sums", build_bwd_fused_ws_kernel,
-                  dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", scale=128**-0.5, use_dht=True, store_dh0=True,
-                       whole_chunk_stores=True, sdot_in_state=True), "gdn_bwd_fused_ws"))
     return cases

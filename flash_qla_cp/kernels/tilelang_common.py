@@ -83,19 +83,6 @@ def default_pass_configs() -> dict:
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
-def kernel_pass_configs(factory, params: dict) -> dict:
-    """Pass configs of one kernel: the defaults, and no bounds guards on its memory accesses
-    where the factory says every access is in range by construction (a function attribute
-    `in_bounds_by_construction(params) -> bool`; TileLang otherwise guards each access of a
-    tensor with a dynamic dimension, a branch per store)."""
-    configs = default_pass_configs()
-    in_bounds = getattr(factory, "in_bounds_by_construction", None)
-    if in_bounds is not None and in_bounds(params):
-        tilelang, _ = import_tilelang()
-        configs[tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
-    return configs
-
-
 _compile_lock = threading.Lock()
 _kernel_cache: dict = {}
 
@@ -134,7 +121,7 @@ def compile_kernel(factory, **params):
         kern = _kernel_cache.get(key)
         if kern is None:
             tilelang, _ = import_tilelang()
-            kern = tilelang.compile(factory(**params), target="cuda", pass_configs=kernel_pass_configs(factory, params))
+            kern = tilelang.compile(factory(**params), target="cuda", pass_configs=default_pass_configs())
             _kernel_cache[key] = kern
             _log_kernel(factory, params)
     return kern
@@ -153,17 +140,14 @@ def precompile(specs, num_workers: int = 8) -> int:
     if not todo:
         return 0
     tilelang, _ = import_tilelang()
-    groups = {}  # par_compile takes one set of pass configs: a batch per set
-    for key, (factory, params) in todo.items():
-        configs = kernel_pass_configs(factory, params)
-        groups.setdefault(tuple(sorted(configs.items())), (configs, []))[1].append(key)
-    for configs, keys in groups.values():
-        kernels = tilelang.par_compile([todo[key][0](**todo[key][1]) for key in keys], target="cuda",
-                                       pass_configs=configs, num_workers=num_workers)
-        with _compile_lock:
-            for key, kern in zip(keys, kernels):
-                _kernel_cache[key] = kern
-                _log_kernel(*todo[key])
+    kernels = tilelang.par_compile(
+        [factory(**params) for factory, params in todo.values()], target="cuda",
+        pass_configs=default_pass_configs(), num_workers=num_workers,
+    )
+    with _compile_lock:
+        for (key, (factory, params)), kern in zip(todo.items(), kernels):
+            _kernel_cache[key] = kern
+            _log_kernel(factory, params)
     return len(todo)
 
 

@@ -326,11 +326,7 @@ def main():
     ap.add_argument("--fused-walk", default=None, choices=("auto", "on", "off"),
                     help="dh walk + grad kernel as one fused walk: where it fills the GPU, always, never")
     ap.add_argument("--cases", default=None, help="comma-separated case names: run only those")
-    ap.add_argument("--fused-walk-options", default=None,
-                    help='JSON dict of the fused walk\'s options, e.g. {"sdot_in_state": true}')
     args = ap.parse_args()
-    if args.fused_walk_options:
-        bwd.FUSED_WALK_OPTIONS = json.loads(args.fused_walk_options)
     if args.dh_kernel:
         bwd.DEFAULT_DH_KERNEL = args.dh_kernel
     if args.h_kernel:

@@ -6,8 +6,7 @@ stubbed out and each requested kernel recorded. No GPU and no compilation happen
     python tests/gpu/precompile_cache.py tests/gpu/precompile_specs_bench.py
 
 BENCH_SPEC_SHAPES (comma-separated shape names) narrows the shapes, BENCH_SPEC_NOSPLIT=1 adds
-the unsplit forward (the bench's `ours_nosplit`), BENCH_SPEC_BWD_OPTIONS=1 the fused backward
-walks of the bench's `ours_bwd_*` libraries; the kernel switches of
+the unsplit forward (the bench's `ours_nosplit`); the kernel switches of
 the current checkout apply, so run it on the branch whose kernels the device call needs.
 """
 
@@ -51,11 +50,6 @@ def shape_specs(name, sms):
     """[(factory, params)] of one bench shape's forward and fwd+bwd."""
     from flash_qla_cp.kernels import tilelang_bwd_impl, tilelang_fwd, tilelang_split
 
-    from bench_kernels import FUSED_WALK_OPTION_LIBS
-
-    fused_walk_variants = [tilelang_bwd_impl.FUSED_WALK_OPTIONS]
-    if os.environ.get("BENCH_SPEC_BWD_OPTIONS") == "1":
-        fused_walk_variants += list(FUSED_WALK_OPTION_LIBS.values())
     found = {}
     fake = _record_into(found)
     q, k, v, g, beta, cu = _inputs(name)
@@ -77,10 +71,8 @@ def shape_specs(name, sms):
                 save_states=keep)
             if final:
                 continue  # the bench's forward: no backward follows
-            for options in fused_walk_variants:
-                with tilelang_bwd_impl.switches(FUSED_WALK_OPTIONS=options):
-                    tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
-                        torch.zeros_like(o), None, q, k, v, g, beta, scale, None, cu, saved)
+            tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
+                torch.zeros_like(o), None, q, k, v, g, beta, scale, None, cu, saved)
     return list(found.values())
 
 
