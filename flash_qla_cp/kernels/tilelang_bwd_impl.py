@@ -821,9 +821,11 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     user_h0 = initial_state is not None
     use_dht = dht is not None
 
-    h0 = state_kv_layout(initial_state, state_v_first) if user_h0 else torch.zeros(1, *sdims, dtype=torch.float32,
-                                                                                  device=dev)
-    dhtf = state_kv_layout(dht, state_v_first) if use_dht else torch.zeros(1, *sdims, dtype=torch.float32, device=dev)
+    # without an initial state / exit gradient the kernels are built not to read them (use_initial_state /
+    # use_dht off): a one-row placeholder stands in, allocated, not filled (no launch)
+    h0 = state_kv_layout(initial_state, state_v_first) if user_h0 else _empty(1, *sdims, dtype=torch.float32,
+                                                                             device=dev)
+    dhtf = state_kv_layout(dht, state_v_first) if use_dht else _empty(1, *sdims, dtype=torch.float32, device=dev)
 
     # Intra-card split (saved by the split forward): the partitions are the sequences of every
     # kernel below, entered with the forward's scanned states; their exit-state gradients come
@@ -893,11 +895,10 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
                 k_h(kf, vf, ag, gcum, cu, chunk_offsets, order, split["S_in"], h_st, vres)
             # the gradient reaching each partition's start from its own outputs: only its first
             # chunks matter until the gates have decayed by e^-16 (`dh_warmup_chunks`); this
-            # pass writes dh0 only
+            # pass starts from a zero exit gradient (use_dht off) and writes dh0 only
             dh_factory, dh_params = specs[1]
-            k_dh_warm = compile_kernel(dh_factory, **dh_params, limit_chunks=True)
-            no_exit_grad = torch.zeros(N, *sdims, dtype=torch.float32, device=dev)
-            k_dh_warm(qf, kf, dof, ag, gcum, cu, chunk_offsets, order, no_exit_grad, dh0, split["dh_walk_chunks"])
+            k_dh_warm = compile_kernel(dh_factory, **dict(dh_params, use_dht=False), limit_chunks=True)
+            k_dh_warm(qf, kf, dof, ag, gcum, cu, chunk_offsets, order, dhtf, dh0, split["dh_walk_chunks"])
             seq_exit_grad = dhtf if use_dht else torch.zeros(len(split["first_parts"]), *sdims,
                                                              dtype=torch.float32, device=dev)
             exit_grad = scan_partitions(split["M"].transpose(-1, -2), dh0, split["seq_parts"], seq_exit_grad,
@@ -1020,7 +1021,8 @@ def lowering_cases():
     # the split backward's first dh walk, limited to each partition's first chunks
     for kind in WALK_KERNELS:
         f, p = bwd_kernel_specs(2, 4, 128, 128, "bfloat16", 128**-0.5, True, True, 32, dh_kernel=kind)[1]
-        cases.append((f"gdn_bwd_dh_limited_{kind}_bfloat16_k128", f, dict(p, limit_chunks=True), "gdn_bwd_dh_limited"))
+        cases.append((f"gdn_bwd_dh_limited_{kind}_bfloat16_k128", f, dict(p, use_dht=False, limit_chunks=True),
+                      "gdn_bwd_dh_limited"))
     # the warp-specialised h and dh walks (with and without initial state / exit gradients)
     for dim, bv, states in ((128, 32, True), (128, 64, False), (64, 64, True)):
         specs = bwd_kernel_specs(2, 4, dim, dim, "bfloat16", dim**-0.5, states, states, bv, dh_kernel="ws",

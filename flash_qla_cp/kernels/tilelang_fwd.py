@@ -736,7 +736,8 @@ def tilelang_chunk_gated_delta_rule_fwd(
     sdims = (V, K) if state_v_first else (K, V)
     dev = q.device
     use_h0 = initial_state is not None
-    h0 = kernel_operand(initial_state.float()) if use_h0 else torch.zeros(1, HV, *sdims, dtype=torch.float32, device=dev)
+    # without an initial state the kernel is built not to read one: a placeholder, not filled (no launch)
+    h0 = kernel_operand(initial_state.float()) if use_h0 else torch.empty(1, HV, *sdims, dtype=torch.float32, device=dev)
     if use_h0:
         assert tuple(h0.shape) == (N, HV, *sdims), f"initial_state must be {(N, HV, *sdims)}"
     ht = torch.empty(N, HV, *sdims, dtype=torch.float32, device=dev) if output_final_state else torch.empty(
