@@ -1,0 +1,133 @@
+"""The TileLang backend's host code on the CPU, with every kernel launch recorded instead of run.
+
+GPU kernels cannot run here, but the Python around them can: which kernels one call launches,
+that each gets as many arguments as its PrimFunc takes with the rank and dtype of each buffer,
+and how many torch fill launches a call adds (each is a launch on the GPU: the host time that
+made small eager calls host-bound on the H200, benchmarks/NOTES.md).
+"""
+
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+from flash_qla_cp.kernels import tilelang_bwd_impl, tilelang_fwd, tilelang_split  # noqa: E402
+
+SMS = 132  # an H200
+
+
+class Launches:
+    """Stands in for compile_kernel: each launch is recorded as (factory, params, args)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def compile_kernel(self, factory, **params):
+        return lambda *args: self.calls.append((factory, params, args))
+
+    def names(self):
+        return [factory.__name__ for factory, _, _ in self.calls]
+
+
+def run_recorded(fn):
+    """(fn's result, Launches, number of torch fills) for the second of two calls of fn with
+    kernels recorded (the first builds the split plan's cached index tensors)."""
+    launches = Launches()
+    with mock.patch.object(tilelang_fwd, "compile_kernel", launches.compile_kernel), \
+            mock.patch.object(tilelang_bwd_impl, "compile_kernel", launches.compile_kernel), \
+            mock.patch.object(tilelang_split, "compile_kernel", launches.compile_kernel), \
+            mock.patch.object(tilelang_fwd, "_sm_count", lambda device: SMS):
+        fn()
+        launches.calls.clear()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = fn()
+    fills = sum(e.count for e in prof.key_averages() if e.key == "aten::fill_")  # zeros / zero_ end here
+    return out, launches, fills
+
+
+def inputs(T, H, HV, D=128, B=1):
+    q = torch.zeros(B, T, H, D, dtype=torch.bfloat16)
+    v = torch.zeros(B, T, HV, D, dtype=torch.bfloat16)
+    return q, q.clone(), v, torch.zeros(B, T, HV), torch.zeros(B, T, HV)
+
+
+def forward(q, k, v, g, beta, final, keep, cu=None, h0=None):
+    return tilelang_fwd.tilelang_chunk_gated_delta_rule_fwd(
+        q, k, v, g, beta, None, h0, final, cu, partitions="auto",
+        cu_seqlens_host=None if cu is None else cu.tolist(), save_states=keep)
+
+
+def test_split_forward_launches_five_kernels_and_one_fill():
+    """TP8 1x32k (2 qk-heads, 4 v-heads, one sequence): cut into partitions, so the forward is
+    prepare, decay tables, summaries, scan, walk; the scan's zero entry state is its one fill."""
+    q, k, v, g, beta = inputs(32768, 2, 4)
+    (o, ht, saved), launches, fills = run_recorded(lambda: forward(q, k, v, g, beta, True, False))
+    assert saved["split"] is not None
+    assert launches.names() == ["build_prepare_kernel", "build_decay_tables_kernel", "build_state_summary_kernel",
+                                "build_partition_scan_kernel", "build_fused_fwd_ws4_kernel"]
+    assert fills <= 1
+    assert o.shape == v.shape and ht.shape == (1, 4, 128, 128)
+
+
+def test_split_backward_reads_no_zero_filled_exit_gradients():
+    """The split fwd+bwd: the backward adds the warm-up dh walk (starting from zero by
+    construction), the reverse scan, the fused walk and the GVA sum of dq / dk."""
+    q, k, v, g, beta = inputs(32768, 2, 4)
+    do = torch.zeros_like(v)
+
+    def fwd_bwd():
+        _, _, saved = forward(q, k, v, g, beta, False, True)
+        return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(do, None, q, k, v, g, beta, None, None, None, saved)
+
+    grads, launches, fills = run_recorded(fwd_bwd)
+    assert launches.names()[5:] == ["build_bwd_dh_ws_kernel", "build_partition_scan_kernel",
+                                    "build_bwd_fused_ws_kernel", "build_v_head_sum_kernel"]
+    warm = launches.calls[5][1]
+    assert warm["limit_chunks"] and not warm["use_dht"]
+    assert fills <= 2  # the two scans' zero entry states
+    assert [t.shape for t in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
+
+
+def test_unsplit_varlen_call_needs_no_fill():
+    """Several documents on 32 v-heads fill the GPU unsplit: no scan, and without an initial
+    state or an exit gradient nothing is zero-filled (the kernels do not read them)."""
+    q, k, v, g, beta = inputs(20101, 16, 32)
+    cu = torch.tensor([0, 5000, 5003, 12004, 16004, 20101], dtype=torch.int32)
+    do = torch.zeros_like(v)
+
+    def fwd_bwd():
+        _, _, saved = forward(q, k, v, g, beta, False, True, cu=cu)
+        return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(do, None, q, k, v, g, beta, None, None, cu, saved)
+
+    _, launches, fills = run_recorded(fwd_bwd)
+    assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_ws4_kernel", "build_bwd_fused_ws_kernel",
+                                "build_v_head_sum_kernel"]
+    assert fills == 0
+
+
+def test_every_launch_matches_its_kernel_signature():
+    """Each recorded launch of a split fwd+bwd (with an initial state and a final-state
+    gradient) passes one argument per PrimFunc parameter, tensors of the buffer's rank and
+    dtype: the plumbing between the host code and the kernels, checked without a GPU."""
+    q, k, v, g, beta = inputs(32768, 2, 4)
+    h0 = torch.zeros(1, 4, 128, 128)
+
+    def fwd_bwd():
+        o, ht, saved = forward(q, k, v, g, beta, True, True, h0=h0)
+        return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
+            torch.zeros_like(o), torch.zeros_like(ht), q, k, v, g, beta, None, h0, None, saved)
+
+    _, launches, _ = run_recorded(fwd_bwd)
+    assert len(launches.calls) == 9
+    for factory, params, args in launches.calls:
+        prim = factory(**params)
+        assert len(args) == len(prim.params), factory.__name__
+        for var, arg in zip(prim.params, args):
+            buf = prim.buffer_map.get(var)
+            if buf is None:
+                continue
+            assert torch.is_tensor(arg), (factory.__name__, var.name)
+            assert arg.dim() == len(buf.shape), (factory.__name__, buf.name, arg.shape)
+            assert str(arg.dtype).replace("torch.", "") == str(buf.dtype), (factory.__name__, buf.name, arg.dtype)
