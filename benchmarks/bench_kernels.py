@@ -12,6 +12,8 @@ Libraries (same inputs, same process, same timing method):
             (tilelang_fwd.FOUR_WARPGROUPS on, O_TMA off: the forward before o went by TMA)
   ours_otma  the same as ours with the four-warpgroup forward's o stored through shared memory
             by TMA (tilelang_fwd.O_TMA on; ours's default now, kept for same-run comparisons)
+  ours_zero_entry  the same as ours with the split's scans starting from zero themselves
+            (tilelang_split.ZERO_ENTRY_IN_KERNEL on: two zero fills less per fwd+bwd)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
@@ -188,7 +190,7 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
             t.grad = None
         o.backward(do)
 
-    if lib in ("ours", "ours_nosplit", "ours_recompute", "ours_ws4", "ours_otma"):
+    if lib in ("ours", "ours_nosplit", "ours_recompute", "ours_ws4", "ours_otma", "ours_zero_entry"):
         from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
         from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
 
@@ -211,6 +213,11 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
                            intra_cp=intra, save_states=keep, cu_seqlens_cpu=cu_cpu)
             backward(o, ins)
 
+        if lib == "ours_zero_entry":
+            from flash_qla_cp.kernels import tilelang_split
+
+            return (_switched(fwd, tilelang_split.switches, ZERO_ENTRY_IN_KERNEL=True),
+                    _switched(fwdbwd, tilelang_split.switches, ZERO_ENTRY_IN_KERNEL=True))
         if lib in ("ours_ws4", "ours_otma"):
             from flash_qla_cp.kernels import tilelang_fwd
 

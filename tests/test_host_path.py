@@ -90,6 +90,23 @@ def test_split_backward_reads_no_zero_filled_exit_gradients():
     assert [t.shape for t in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
 
 
+def test_zero_entry_scans_need_no_fill():
+    """With tilelang_split.ZERO_ENTRY_IN_KERNEL the scans start from zero themselves (use_s0 off)
+    when there is no initial state or final-state gradient: a split fwd+bwd fills nothing."""
+    q, k, v, g, beta = inputs(32768, 2, 4)
+    do = torch.zeros_like(v)
+
+    def fwd_bwd():
+        _, _, saved = forward(q, k, v, g, beta, False, True)
+        return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(do, None, q, k, v, g, beta, None, None, None, saved)
+
+    with mock.patch.object(tilelang_split, "ZERO_ENTRY_IN_KERNEL", True):
+        _, launches, fills = run_recorded(fwd_bwd)
+    scans = [params for factory, params, _ in launches.calls if factory.__name__ == "build_partition_scan_kernel"]
+    assert len(scans) == 2 and all(p["use_s0"] is False for p in scans)
+    assert fills == 0
+
+
 def test_unsplit_varlen_call_needs_no_fill():
     """Several documents on 32 v-heads fill the GPU unsplit: no scan, and without an initial
     state or an exit gradient nothing is zero-filled (the kernels do not read them)."""
@@ -107,19 +124,22 @@ def test_unsplit_varlen_call_needs_no_fill():
     assert fills == 0
 
 
-def test_every_launch_matches_its_kernel_signature():
-    """Each recorded launch of a split fwd+bwd (with an initial state and a final-state
-    gradient) passes one argument per PrimFunc parameter, tensors of the buffer's rank and
-    dtype: the plumbing between the host code and the kernels, checked without a GPU."""
+@pytest.mark.parametrize("with_states,zero_entry", [(True, False), (False, True)])
+def test_every_launch_matches_its_kernel_signature(with_states, zero_entry):
+    """Each recorded launch of a split fwd+bwd (with or without an initial state and a
+    final-state gradient) passes one argument per PrimFunc parameter, tensors of the buffer's
+    rank and dtype: the plumbing between the host code and the kernels, checked without a GPU."""
     q, k, v, g, beta = inputs(32768, 2, 4)
-    h0 = torch.zeros(1, 4, 128, 128)
+    h0 = torch.zeros(1, 4, 128, 128) if with_states else None
 
     def fwd_bwd():
         o, ht, saved = forward(q, k, v, g, beta, True, True, h0=h0)
         return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
-            torch.zeros_like(o), torch.zeros_like(ht), q, k, v, g, beta, None, h0, None, saved)
+            torch.zeros_like(o), torch.zeros_like(ht) if with_states else None, q, k, v, g, beta, None, h0, None,
+            saved)
 
-    _, launches, _ = run_recorded(fwd_bwd)
+    with mock.patch.object(tilelang_split, "ZERO_ENTRY_IN_KERNEL", zero_entry):
+        _, launches, _ = run_recorded(fwd_bwd)
     assert len(launches.calls) == 9
     for factory, params, args in launches.calls:
         prim = factory(**params)

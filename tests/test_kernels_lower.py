@@ -31,3 +31,14 @@ def test_lower_kernel(case):
     assert "__global__" in src and case.entry in src, f"{case.name}: entry {case.entry!r} missing"
     for needle in case.expect:
         assert needle in src, f"{case.name}: expected {needle!r} in the generated CUDA source"
+
+
+def test_zero_entry_scan_does_not_read_its_entry_states():
+    """use_s0 off: the scan starts from zero without reading s0 (so callers need not fill one)."""
+    def kernel_body(name):
+        case = next(c for c in CASES if c.name == name)
+        src = lower_for_cuda(case.build(), arch="sm_90a").source
+        return src[src.index("__launch_bounds__"):]
+
+    assert "(s0 +" in kernel_body("split_scan_reverse_bv16_k128")
+    assert "s0" not in kernel_body("split_scan_zero_entry_k128")

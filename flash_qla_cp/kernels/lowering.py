@@ -179,6 +179,12 @@ def _split_cases() -> list[KernelCase]:
                     expect=("mma",) if is_scan else ("wgmma",),
                 )
             )
+    # the scan entering every sequence at zero (use_s0 off: no zero-filled entry states)
+    from .tilelang_split import build_partition_scan_kernel
+
+    cases.append(KernelCase(name="split_scan_zero_entry_k128", factory=build_partition_scan_kernel,
+                            params=dict(HV=4, K=128, V=128, reverse=True, block_v=16, use_s0=False),
+                            entry="gdn_partition_scan", expect=("mma",)))
     return cases
 
 

@@ -899,10 +899,9 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
             dh_factory, dh_params = specs[1]
             k_dh_warm = compile_kernel(dh_factory, **dict(dh_params, use_dht=False), limit_chunks=True)
             k_dh_warm(qf, kf, dof, ag, gcum, cu, chunk_offsets, order, dhtf, dh0, split["dh_walk_chunks"])
-            seq_exit_grad = dhtf if use_dht else torch.zeros(len(split["first_parts"]), *sdims,
-                                                             dtype=torch.float32, device=dev)
-            exit_grad = scan_partitions(split["M"].transpose(-1, -2), dh0, split["seq_parts"], seq_exit_grad,
-                                        reverse=True)
+            exit_grad = scan_partitions(split["M"].transpose(-1, -2), dh0, split["seq_parts"],
+                                        dhtf if use_dht else None, reverse=True,
+                                        num_seqs=len(split["first_parts"]))
             if fused_walk:
                 _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, True, True,
                             scale, dq, dk, dv, dg, db, dh0)

@@ -796,8 +796,8 @@ def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state,
         h0 = state_kv_layout(initial_state, state_v_first)
         assert tuple(h0.shape) == (N, HV, K, V), f"initial_state must hold {N} states"
     else:
-        h0 = torch.zeros(N, HV, K, V, dtype=torch.float32, device=dev)
-    s_in = scan_partitions(m_part, h_part, idx["seq_parts"], h0, reverse=False)
+        h0 = None  # every sequence enters at zero
+    s_in = scan_partitions(m_part, h_part, idx["seq_parts"], h0, reverse=False, num_seqs=N)
 
     factory, params = fwd_kernel_specs(H, HV, K, V, q.dtype, scale, True, True, output_final_state, False, **cfg)[1]
     kern = compile_kernel(factory, **params)

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tilelang_common import CHUNK, compile_kernel, import_tilelang, kernel_operand, tl_dtype, walk_order
+from .tilelang_common import (CHUNK, compile_kernel, import_tilelang, kernel_operand, switched_globals, tl_dtype,
+                              walk_order)
 
 LOG2E = 1.4426950408889634
 # Partitions keep at least this many chunks (1k tokens). The auto rule aims at one backward walk
@@ -407,11 +408,13 @@ def build_state_summary_kernel(H: int, HV: int, K: int, V: int, dtype: str, bloc
 # ----------------------------------------------------------------------------------------
 # Kernel 2: the scan over partitions
 # ----------------------------------------------------------------------------------------
-def build_partition_scan_kernel(HV: int, K: int, V: int, reverse: bool, block_v: int = 32, threads: int = 128):
+def build_partition_scan_kernel(HV: int, K: int, V: int, reverse: bool, block_v: int = 32, threads: int = 128,
+                                use_s0: bool = True):
     """PrimFunc: grid (V / block_v, N, HV). For the partitions of sequence n in order
     (reverse: last to first) writes out[p] = S, then S = m[p] S + add[p] (not after the
     final one); the next step's m and add load while this step multiplies. S starts from s0[n]
-    (the initial state, or the final-state gradient). (Skipping the product where the summary
+    (the initial state, or the final-state gradient), or from zero without use_s0 (s0 is then
+    not read: any [N0, HV, K, V] fp32 tensor, no zero fill on the host). (Skipping the product where the summary
     dropped m[p] was tried: a branch inside the pipelined loop made the H200 scan 30x slower
     and wrong, so m = 0 is multiplied like any other.)
 
@@ -443,7 +446,10 @@ def build_partition_scan_kernel(HV: int, K: int, V: int, reverse: bool, block_v:
             st_s = T.alloc_shared((BV, K), acc)  # S^T: the tf32 MMA wants both operands K-major
             s_f = T.alloc_fragment((K, BV), acc)
 
-            T.copy(s0[n, bhv, :, v0 : v0 + BV], s_f)
+            if use_s0:
+                T.copy(s0[n, bhv, :, v0 : v0 + BV], s_f)
+            else:
+                T.clear(s_f)
             # every sequence has >= 1 partition; the loads of step i + 1 overlap step i's product
             for i in T.Pipelined(n_parts - 1, num_stages=2):
                 p = (p_first + n_parts - 1 - i) if reverse else (p_first + i)
@@ -561,16 +567,35 @@ def scan_block_v(V: int, num_seqs: int, HV: int, sm_count: int) -> int:
     return 16 if (V // 16) * num_seqs * HV <= sm_count else 32
 
 
-def scan_partitions(m, add, seq_parts_dev, s0, reverse: bool):
+# Sequences entering the scan at zero (no initial state / no final-state gradient): the scan
+# kernel starts from zero itself (use_s0 off) instead of reading a zero-filled [N, HV, K, V]
+# tensor, one fill launch less per scan. Off until checked on the GPU (lowered and
+# signature-checked on the CPU).
+ZERO_ENTRY_IN_KERNEL = False
+
+
+def switches(**values):
+    """Set this module's switches (ZERO_ENTRY_IN_KERNEL) inside a `with` block."""
+    return switched_globals(globals(), **values)
+
+
+def scan_partitions(m, add, seq_parts_dev, s0, reverse: bool, num_seqs: int = None):
     """Run the partition scan: [NP, HV, K, V] fp32 (state entering each partition, or with
-    reverse=True the gradient of the state leaving it)."""
+    reverse=True the gradient of the state leaving it). s0: each sequence's entry [N, HV, K, V]
+    fp32, or None for zero (then num_seqs gives N)."""
     from .tilelang_fwd import _sm_count
 
     NP, HV, K, _ = m.shape
     V = add.shape[-1]
+    n_seqs = s0.shape[0] if s0 is not None else num_seqs
+    use_s0 = s0 is not None or not ZERO_ENTRY_IN_KERNEL
+    if s0 is None:  # zero entries: filled here, or a placeholder the kernel does not read
+        alloc = torch.zeros if use_s0 else torch.empty
+        s0 = alloc(n_seqs if use_s0 else 1, HV, K, V, dtype=torch.float32, device=m.device)
     out = torch.empty(NP, HV, K, V, dtype=torch.float32, device=m.device)
     kern = compile_kernel(build_partition_scan_kernel, HV=HV, K=K, V=V, reverse=bool(reverse),
-                          block_v=scan_block_v(V, s0.shape[0], HV, _sm_count(m.device)))
+                          block_v=scan_block_v(V, n_seqs, HV, _sm_count(m.device)),
+                          **({} if use_s0 else {"use_s0": False}))
     kern(kernel_operand(m), kernel_operand(add), seq_parts_dev, kernel_operand(s0), out)
     return out
 

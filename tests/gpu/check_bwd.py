@@ -326,7 +326,13 @@ def main():
     ap.add_argument("--fused-walk", default=None, choices=("auto", "on", "off"),
                     help="dh walk + grad kernel as one fused walk: where it fills the GPU, always, never")
     ap.add_argument("--cases", default=None, help="comma-separated case names: run only those")
+    ap.add_argument("--zero-entry-in-kernel", action="store_true",
+                    help="tilelang_split.ZERO_ENTRY_IN_KERNEL on: the split's scans start from zero themselves")
     args = ap.parse_args()
+    if args.zero_entry_in_kernel:
+        from flash_qla_cp.kernels import tilelang_split
+
+        tilelang_split.ZERO_ENTRY_IN_KERNEL = True
     if args.dh_kernel:
         bwd.DEFAULT_DH_KERNEL = args.dh_kernel
     if args.h_kernel:

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from flash_qla_cp import chunk_gated_delta_rule  # noqa: E402
-from flash_qla_cp.kernels import tilelang_bwd_impl  # noqa: E402
+from flash_qla_cp.kernels import tilelang_bwd_impl, tilelang_split  # noqa: E402
 from flash_qla_cp.ops import tilelang_backward_enabled  # noqa: E402
 from flash_qla_cp.testing import chunk_local_cumsum, make_gdn_inputs, random_cu_seqlens, rel_err  # noqa: E402
 
@@ -104,6 +104,8 @@ def main():
     for mode in ("on", "off"):  # --fused-walk-on / -off: the fused dh + grad walk always / never
         if f"--fused-walk-{mode}" in sys.argv[1:]:
             tilelang_bwd_impl.FUSED_WALK = mode
+    if "--zero-entry-in-kernel" in sys.argv[1:]:  # the scans start from zero themselves (use_s0 off)
+        tilelang_split.ZERO_ENTRY_IN_KERNEL = True
     failed = not check_decay_tables()
     cases = [
         # name, lengths, dense, HV, H, D, intra, state_v_first, with_h0

@@ -6,7 +6,8 @@ stubbed out and each requested kernel recorded. No GPU and no compilation happen
     python tests/gpu/precompile_cache.py tests/gpu/precompile_specs_bench.py
 
 BENCH_SPEC_SHAPES (comma-separated shape names) narrows the shapes, BENCH_SPEC_NOSPLIT=1 adds
-the unsplit forward (the bench's `ours_nosplit`); the kernel switches of
+the unsplit forward (the bench's `ours_nosplit`), BENCH_SPEC_ZERO_ENTRY=1 the scans of
+`ours_zero_entry`; the kernel switches of
 the current checkout apply, so run it on the branch whose kernels the device call needs.
 """
 
@@ -62,17 +63,19 @@ def shape_specs(name, sms):
             mock.patch.object(tilelang_bwd_impl, "_sm_count", lambda device: sms, create=True), \
             mock.patch("torch.cuda.get_device_properties",
                        lambda *a: type("P", (), {"multi_processor_count": sms})()):
-        runs = [("auto", True, False), ("auto", False, True), ("auto", False, False)]
+        runs = [("auto", True, False, False), ("auto", False, True, False), ("auto", False, False, False)]
         if os.environ.get("BENCH_SPEC_NOSPLIT") == "1":
-            runs.append(("off", True, False))
-        for parts, final, keep in runs:
-            o, ht, saved = tilelang_fwd.tilelang_chunk_gated_delta_rule_fwd(
-                q, k, v, g, beta, scale, None, final, cu, partitions=parts, cu_seqlens_host=cu_host,
-                save_states=keep)
-            if final:
-                continue  # the bench's forward: no backward follows
-            tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
-                torch.zeros_like(o), None, q, k, v, g, beta, scale, None, cu, saved)
+            runs.append(("off", True, False, False))
+        if os.environ.get("BENCH_SPEC_ZERO_ENTRY") == "1":  # the bench's ours_zero_entry
+            runs += [("auto", True, False, True), ("auto", False, True, True)]
+        for parts, final, keep, zero_entry in runs:
+            with tilelang_split.switches(ZERO_ENTRY_IN_KERNEL=zero_entry or tilelang_split.ZERO_ENTRY_IN_KERNEL):
+                o, ht, saved = tilelang_fwd.tilelang_chunk_gated_delta_rule_fwd(
+                    q, k, v, g, beta, scale, None, final, cu, partitions=parts, cu_seqlens_host=cu_host,
+                    save_states=keep)
+                if not final:  # the bench's forward (final states) has no backward
+                    tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
+                        torch.zeros_like(o), None, q, k, v, g, beta, scale, None, cu, saved)
     return list(found.values())
 
 
