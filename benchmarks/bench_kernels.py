@@ -14,6 +14,8 @@ Libraries (same inputs, same process, same timing method):
             by TMA (tilelang_fwd.O_TMA on; ours's default now, kept for same-run comparisons)
   ours_zero_entry  the same as ours with the split's scans starting from zero themselves
             (tilelang_split.ZERO_ENTRY_IN_KERNEL on: two zero fills less per fwd+bwd)
+  ours_sum_v_heads  the same as ours with the fused backward walk summing each qk-head's
+            v-heads itself (tilelang_bwd_impl.FUSED_WALK_SUM_V_HEADS on: no v-head sum kernel)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
@@ -174,6 +176,13 @@ def _switched(fn, switches, **values):
     return run
 
 
+# bench libraries that run ours with one module switch set: (module, switches)
+SWITCH_LIBS = {
+    "ours_zero_entry": ("flash_qla_cp.kernels.tilelang_split", {"ZERO_ENTRY_IN_KERNEL": True}),
+    "ours_sum_v_heads": ("flash_qla_cp.kernels.tilelang_bwd_impl", {"FUSED_WALK_SUM_V_HEADS": True}),
+}
+
+
 def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
     """(fwd_fn, fwdbwd_fn or error string) for one library."""
     cu32 = None if cu is None else cu.to(device="cuda", dtype=torch.int32)
@@ -190,7 +199,7 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
             t.grad = None
         o.backward(do)
 
-    if lib in ("ours", "ours_nosplit", "ours_recompute", "ours_ws4", "ours_otma", "ours_zero_entry"):
+    if lib in ("ours", "ours_nosplit", "ours_recompute", "ours_ws4", "ours_otma", *SWITCH_LIBS):
         from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
         from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
 
@@ -213,11 +222,12 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
                            intra_cp=intra, save_states=keep, cu_seqlens_cpu=cu_cpu)
             backward(o, ins)
 
-        if lib == "ours_zero_entry":
-            from flash_qla_cp.kernels import tilelang_split
+        if lib in SWITCH_LIBS:
+            import importlib
 
-            return (_switched(fwd, tilelang_split.switches, ZERO_ENTRY_IN_KERNEL=True),
-                    _switched(fwdbwd, tilelang_split.switches, ZERO_ENTRY_IN_KERNEL=True))
+            module, switch = SWITCH_LIBS[lib]
+            switches = importlib.import_module(module).switches
+            return _switched(fwd, switches, **switch), _switched(fwdbwd, switches, **switch)
         if lib in ("ours_ws4", "ours_otma"):
             from flash_qla_cp.kernels import tilelang_fwd
 

@@ -124,8 +124,8 @@ def test_unsplit_varlen_call_needs_no_fill():
     assert fills == 0
 
 
-@pytest.mark.parametrize("with_states,zero_entry", [(True, False), (False, True)])
-def test_every_launch_matches_its_kernel_signature(with_states, zero_entry):
+@pytest.mark.parametrize("with_states,zero_entry,sum_v_heads", [(True, False, False), (False, True, True)])
+def test_every_launch_matches_its_kernel_signature(with_states, zero_entry, sum_v_heads):
     """Each recorded launch of a split fwd+bwd (with or without an initial state and a
     final-state gradient) passes one argument per PrimFunc parameter, tensors of the buffer's
     rank and dtype: the plumbing between the host code and the kernels, checked without a GPU."""
@@ -138,9 +138,10 @@ def test_every_launch_matches_its_kernel_signature(with_states, zero_entry):
             torch.zeros_like(o), torch.zeros_like(ht) if with_states else None, q, k, v, g, beta, None, h0, None,
             saved)
 
-    with mock.patch.object(tilelang_split, "ZERO_ENTRY_IN_KERNEL", zero_entry):
+    with mock.patch.object(tilelang_split, "ZERO_ENTRY_IN_KERNEL", zero_entry), \
+            mock.patch.object(tilelang_bwd_impl, "FUSED_WALK_SUM_V_HEADS", sum_v_heads):
         _, launches, _ = run_recorded(fwd_bwd)
-    assert len(launches.calls) == 9
+    assert len(launches.calls) == (8 if sum_v_heads else 9)  # the walk sums the v-heads: no sum kernel
     for factory, params, args in launches.calls:
         prim = factory(**params)
         assert len(args) == len(prim.params), factory.__name__
@@ -151,3 +152,24 @@ def test_every_launch_matches_its_kernel_signature(with_states, zero_entry):
             assert torch.is_tensor(arg), (factory.__name__, var.name)
             assert arg.dim() == len(buf.shape), (factory.__name__, buf.name, arg.shape)
             assert str(arg.dtype).replace("torch.", "") == str(buf.dtype), (factory.__name__, buf.name, arg.dtype)
+
+
+def test_walk_summing_v_heads_writes_dq_dk_itself():
+    """With FUSED_WALK_SUM_V_HEADS the fused walk gets dq / dk per qk-head and zeroed flags, and
+    the separate v-head sum kernel is not launched."""
+    q, k, v, g, beta = inputs(20101, 16, 32)
+    cu = torch.tensor([0, 5000, 5003, 12004, 16004, 20101], dtype=torch.int32)
+    do = torch.zeros_like(v)
+
+    def fwd_bwd():
+        _, _, saved = forward(q, k, v, g, beta, False, True, cu=cu)
+        return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(do, None, q, k, v, g, beta, None, None, cu, saved)
+
+    with mock.patch.object(tilelang_bwd_impl, "FUSED_WALK_SUM_V_HEADS", True):
+        grads, launches, _ = run_recorded(fwd_bwd)
+    assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_ws4_kernel", "build_bwd_fused_ws_kernel"]
+    _, params, args = launches.calls[-1]
+    assert params["sum_v_heads"] is True
+    dq, dk, flags = args[12], args[13], args[-1]
+    assert dq.data_ptr() == grads[0].data_ptr() and dk.data_ptr() == grads[1].data_ptr()
+    assert flags.dtype == torch.int32 and flags.shape == (args[7].shape[0], 16) and not flags.any()
