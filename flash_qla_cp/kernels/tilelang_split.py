@@ -414,9 +414,9 @@ def build_partition_scan_kernel(HV: int, K: int, V: int, reverse: bool, block_v:
     (reverse: last to first) writes out[p] = S, then S = m[p] S + add[p] (not after the
     final one); the next step's m and add load while this step multiplies. S starts from s0[n]
     (the initial state, or the final-state gradient), or from zero without use_s0 (s0 is then
-    not read: any [N0, HV, K, V] fp32 tensor, no zero fill on the host). (Skipping the product where the summary
-    dropped m[p] was tried: a branch inside the pipelined loop made the H200 scan 30x slower
-    and wrong, so m = 0 is multiplied like any other.)
+    not read: any [N0, HV, K, V] fp32 tensor, no zero fill on the host). (Skipping the product
+    where the summary dropped m[p] was tried: a branch inside the pipelined loop made the H200
+    scan 30x slower and wrong, so m = 0 is multiplied like any other.)
 
     Arguments: m [NP,HV,K,K] fp32 (M, or M^T for the reverse scan), add [NP,HV,K,V] fp32,
     seq_parts [N+1] int32, s0 [N,HV,K,V] fp32, out [NP,HV,K,V] fp32.
@@ -569,7 +569,7 @@ def scan_block_v(V: int, num_seqs: int, HV: int, sm_count: int) -> int:
 
 # Sequences entering the scan at zero (no initial state / no final-state gradient): the scan
 # kernel starts from zero itself (use_s0 off) instead of reading a zero-filled [N, HV, K, V]
-# tensor, one fill launch less per scan. Off until checked on the GPU (lowered and
+# tensor, one fill launch less per scan. Off until checked on the GPU (lowered, nvcc-built and
 # signature-checked on the CPU).
 ZERO_ENTRY_IN_KERNEL = False
 
