@@ -59,6 +59,22 @@ def forward(q, k, v, g, beta, final, keep, cu=None, h0=None):
         cu_seqlens_host=None if cu is None else cu.tolist(), save_states=keep)
 
 
+def fwd_bwd(q, k, v, g, beta, cu=None, h0=None, with_dht=False):
+    """A training step's two halves: the forward keeping its states, then the backward (with a
+    final-state gradient when with_dht)."""
+    do = torch.zeros_like(v)
+
+    def call():
+        _, ht, saved = forward(q, k, v, g, beta, with_dht, True, cu=cu, h0=h0)
+        dht = torch.zeros_like(ht) if with_dht else None
+        return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, None, h0, cu, saved)
+
+    return call
+
+
+VARLEN_CU = torch.tensor([0, 5000, 5003, 12004, 16004, 20101], dtype=torch.int32)
+
+
 def test_split_forward_launches_five_kernels_and_one_fill():
     """TP8 1x32k (2 qk-heads, 4 v-heads, one sequence): cut into partitions, so the forward is
     prepare, decay tables, summaries, scan, walk; the scan's zero entry state is its one fill."""
@@ -75,13 +91,7 @@ def test_split_backward_reads_no_zero_filled_exit_gradients():
     """The split fwd+bwd: the backward adds the warm-up dh walk (starting from zero by
     construction), the reverse scan, the fused walk and the GVA sum of dq / dk."""
     q, k, v, g, beta = inputs(32768, 2, 4)
-    do = torch.zeros_like(v)
-
-    def fwd_bwd():
-        _, _, saved = forward(q, k, v, g, beta, False, True)
-        return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(do, None, q, k, v, g, beta, None, None, None, saved)
-
-    grads, launches, fills = run_recorded(fwd_bwd)
+    grads, launches, fills = run_recorded(fwd_bwd(q, k, v, g, beta))
     assert launches.names()[5:] == ["build_bwd_dh_ws_kernel", "build_partition_scan_kernel",
                                     "build_bwd_fused_ws_kernel", "build_v_head_sum_kernel"]
     warm = launches.calls[5][1]
@@ -93,15 +103,8 @@ def test_split_backward_reads_no_zero_filled_exit_gradients():
 def test_zero_entry_scans_need_no_fill():
     """With tilelang_split.ZERO_ENTRY_IN_KERNEL the scans start from zero themselves (use_s0 off)
     when there is no initial state or final-state gradient: a split fwd+bwd fills nothing."""
-    q, k, v, g, beta = inputs(32768, 2, 4)
-    do = torch.zeros_like(v)
-
-    def fwd_bwd():
-        _, _, saved = forward(q, k, v, g, beta, False, True)
-        return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(do, None, q, k, v, g, beta, None, None, None, saved)
-
     with mock.patch.object(tilelang_split, "ZERO_ENTRY_IN_KERNEL", True):
-        _, launches, fills = run_recorded(fwd_bwd)
+        _, launches, fills = run_recorded(fwd_bwd(*inputs(32768, 2, 4)))
     scans = [params for factory, params, _ in launches.calls if factory.__name__ == "build_partition_scan_kernel"]
     assert len(scans) == 2 and all(p["use_s0"] is False for p in scans)
     assert fills == 0
@@ -110,15 +113,7 @@ def test_zero_entry_scans_need_no_fill():
 def test_unsplit_varlen_call_needs_no_fill():
     """Several documents on 32 v-heads fill the GPU unsplit: no scan, and without an initial
     state or an exit gradient nothing is zero-filled (the kernels do not read them)."""
-    q, k, v, g, beta = inputs(20101, 16, 32)
-    cu = torch.tensor([0, 5000, 5003, 12004, 16004, 20101], dtype=torch.int32)
-    do = torch.zeros_like(v)
-
-    def fwd_bwd():
-        _, _, saved = forward(q, k, v, g, beta, False, True, cu=cu)
-        return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(do, None, q, k, v, g, beta, None, None, cu, saved)
-
-    _, launches, fills = run_recorded(fwd_bwd)
+    _, launches, fills = run_recorded(fwd_bwd(*inputs(20101, 16, 32), cu=VARLEN_CU))
     assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_ws4_kernel", "build_bwd_fused_ws_kernel",
                                 "build_v_head_sum_kernel"]
     assert fills == 0
@@ -129,18 +124,11 @@ def test_every_launch_matches_its_kernel_signature(with_states, zero_entry, sum_
     """Each recorded launch of a split fwd+bwd (with or without an initial state and a
     final-state gradient) passes one argument per PrimFunc parameter, tensors of the buffer's
     rank and dtype: the plumbing between the host code and the kernels, checked without a GPU."""
-    q, k, v, g, beta = inputs(32768, 2, 4)
     h0 = torch.zeros(1, 4, 128, 128) if with_states else None
-
-    def fwd_bwd():
-        o, ht, saved = forward(q, k, v, g, beta, True, True, h0=h0)
-        return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
-            torch.zeros_like(o), torch.zeros_like(ht) if with_states else None, q, k, v, g, beta, None, h0, None,
-            saved)
-
+    call = fwd_bwd(*inputs(32768, 2, 4), h0=h0, with_dht=with_states)
     with mock.patch.object(tilelang_split, "ZERO_ENTRY_IN_KERNEL", zero_entry), \
             mock.patch.object(tilelang_bwd_impl, "FUSED_WALK_SUM_V_HEADS", sum_v_heads):
-        _, launches, _ = run_recorded(fwd_bwd)
+        _, launches, _ = run_recorded(call)
     assert len(launches.calls) == (8 if sum_v_heads else 9)  # the walk sums the v-heads: no sum kernel
     for factory, params, args in launches.calls:
         prim = factory(**params)
@@ -157,16 +145,8 @@ def test_every_launch_matches_its_kernel_signature(with_states, zero_entry, sum_
 def test_walk_summing_v_heads_writes_dq_dk_itself():
     """With FUSED_WALK_SUM_V_HEADS the fused walk gets dq / dk per qk-head and zeroed flags, and
     the separate v-head sum kernel is not launched."""
-    q, k, v, g, beta = inputs(20101, 16, 32)
-    cu = torch.tensor([0, 5000, 5003, 12004, 16004, 20101], dtype=torch.int32)
-    do = torch.zeros_like(v)
-
-    def fwd_bwd():
-        _, _, saved = forward(q, k, v, g, beta, False, True, cu=cu)
-        return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(do, None, q, k, v, g, beta, None, None, cu, saved)
-
     with mock.patch.object(tilelang_bwd_impl, "FUSED_WALK_SUM_V_HEADS", True):
-        grads, launches, _ = run_recorded(fwd_bwd)
+        grads, launches, _ = run_recorded(fwd_bwd(*inputs(20101, 16, 32), cu=VARLEN_CU))
     assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_ws4_kernel", "build_bwd_fused_ws_kernel"]
     _, params, args = launches.calls[-1]
     assert params["sum_v_heads"] is True
