@@ -68,7 +68,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
     STATE_REGS, GRAD_REGS, LOADER_REGS = 256, 224, 24
     RS = 16  # rows per slice of the <S, dS'> reduction
     CHAIN_BARRIER = 8  # named barrier of the grad warpgroup's v-head chain (TileLang's reductions use 1-4)
-    acc_dtype = acc
 
     Ttot = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -87,8 +86,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
         T.copy(row, r_s[slot, :])
 
     @T.macro
-    def add_chain_part(acc, out, flags, chunk, bh, j, t0, L, tx, wait):
-        # v-head j > 0 of a qk-head: acc += the sum the chain has stored for this chunk (the
+    def add_chain_part(frag, out, flags, chunk, bh, j, t0, L, tx, wait):
+        # v-head j > 0 of a qk-head: frag += the sum the chain has stored for this chunk (the
         # first grad thread waits for v-head j - 1's flag, then the warpgroup syncs)
         if j > 0:
             if wait:
@@ -98,7 +97,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                 T.sync_threads(CHAIN_BARRIER, WG)
             for i, d in T.Parallel(C, K):
                 if i < L:
-                    acc[i, d] = acc[i, d] + T.cast(out[0, t0 + i, bh, d], acc_dtype)
+                    frag[i, d] = frag[i, d] + T.cast(out[0, t0 + i, bh, d], acc)
 
     @T.macro
     def zero_rows(dst, L, width):

@@ -974,14 +974,14 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order
 
     _, Ttot, H, K = qf.shape
     HV = dof.shape[2]
+    sum_v_heads = FUSED_WALK_SUM_V_HEADS and HV > H
     kern = compile_kernel(build_bwd_fused_ws_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
-                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
+                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0),
+                          **({"sum_v_heads": True} if sum_v_heads else {}))
     if HV == H:
         kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq, dk, dv, dg, db, dh0)
         return
-    if FUSED_WALK_SUM_V_HEADS:
-        kern = compile_kernel(build_bwd_fused_ws_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
-                              scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0), sum_v_heads=True)
+    if sum_v_heads:
         flags = torch.zeros(h_st.shape[0], H, dtype=torch.int32, device=qf.device)  # v-heads done per chunk
         kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq, dk, dv, dg, db, dh0,
              flags)

@@ -23,10 +23,10 @@ sys.path.insert(0, ROOT)
 
 
 def _record_into(found):
+    from flash_qla_cp.kernels.tilelang_common import _key  # compile_kernel's cache key
+
     def fake_compile(factory, **params):
-        key = (factory.__module__, factory.__qualname__, tuple(sorted(params.items())))
-        if key not in found:
-            found[key] = (factory, params)
+        found.setdefault(_key(factory, params), (factory, params))
         return lambda *args: None  # a launch that does nothing: outputs stay as allocated
 
     return fake_compile
@@ -47,11 +47,11 @@ def _inputs(name):
     return q, k, v, g, beta, cu
 
 
-def shape_specs(name, sms):
-    """[(factory, params)] of one bench shape's forward and fwd+bwd."""
+def shape_specs(name, sms, found):
+    """Record into `found` (cache key -> (factory, params)) the kernels of one bench shape's
+    forward and fwd+bwd."""
     from flash_qla_cp.kernels import tilelang_bwd_impl, tilelang_fwd, tilelang_split
 
-    found = {}
     fake = _record_into(found)
     q, k, v, g, beta, cu = _inputs(name)
     scale = q.shape[-1] ** -0.5
@@ -82,22 +82,16 @@ def shape_specs(name, sms):
                 if not final:  # the bench's forward (final states) has no backward
                     tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
                         torch.zeros_like(o), None, q, k, v, g, beta, scale, None, cu, saved)
-    return list(found.values())
 
 
 def specs(sms):
     from bench_kernels import SHAPES
 
     names = os.environ.get("BENCH_SPEC_SHAPES")
-    names = names.split(",") if names else list(SHAPES)
-    out, seen = [], set()
-    for name in names:
-        for factory, params in shape_specs(name, sms):
-            key = (factory.__module__, factory.__qualname__, tuple(sorted(params.items())))
-            if key not in seen:
-                seen.add(key)
-                out.append((factory, params))
-    return out
+    found = {}  # each kernel once, in the order first used
+    for name in names.split(",") if names else SHAPES:
+        shape_specs(name, sms, found)
+    return list(found.values())
 
 
 if __name__ == "__main__":
