@@ -176,10 +176,14 @@ def _switched(fn, switches, **values):
     return run
 
 
-# bench libraries that run ours with one module switch set: (module, switches)
+# bench libraries that run ours with module switches set: [(module, switches)]
+_SPLIT, _BWD, _COMMON = (f"flash_qla_cp.kernels.{m}" for m in ("tilelang_split", "tilelang_bwd_impl", "tilelang_common"))
 SWITCH_LIBS = {
-    "ours_zero_entry": ("flash_qla_cp.kernels.tilelang_split", {"ZERO_ENTRY_IN_KERNEL": True}),
-    "ours_sum_v_heads": ("flash_qla_cp.kernels.tilelang_bwd_impl", {"FUSED_WALK_SUM_V_HEADS": True}),
+    "ours_zero_entry": [(_SPLIT, {"ZERO_ENTRY_IN_KERNEL": True})],
+    "ours_sum_v_heads": [(_BWD, {"FUSED_WALK_SUM_V_HEADS": True})],
+    "ours_direct": [(_COMMON, {"DIRECT_LAUNCH": True})],
+    "ours_all": [(_SPLIT, {"ZERO_ENTRY_IN_KERNEL": True}), (_BWD, {"FUSED_WALK_SUM_V_HEADS": True}),
+                 (_COMMON, {"DIRECT_LAUNCH": True})],
 }
 
 
@@ -225,9 +229,10 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
         if lib in SWITCH_LIBS:
             import importlib
 
-            module, switch = SWITCH_LIBS[lib]
-            switches = importlib.import_module(module).switches
-            return _switched(fwd, switches, **switch), _switched(fwdbwd, switches, **switch)
+            for module, switch in SWITCH_LIBS[lib]:
+                switches = importlib.import_module(module).switches
+                fwd, fwdbwd = _switched(fwd, switches, **switch), _switched(fwdbwd, switches, **switch)
+            return fwd, fwdbwd
         if lib in ("ours_ws4", "ours_otma"):
             from flash_qla_cp.kernels import tilelang_fwd
 

@@ -153,3 +153,40 @@ def test_walk_summing_v_heads_writes_dq_dk_itself():
     dq, dk, flags = args[12], args[13], args[-1]
     assert dq.data_ptr() == grads[0].data_ptr() and dk.data_ptr() == grads[1].data_ptr()
     assert flags.dtype == torch.int32 and flags.shape == (args[7].shape[0], 16) and not flags.any()
+
+
+def test_direct_launch_calls_the_compiled_module_entry_once_looked_up():
+    """With DIRECT_LAUNCH, compile_kernel hands out one launcher per kernel that passes the
+    arguments straight to the module's entry function (looked up on the first launch only)."""
+    from flash_qla_cp.kernels import tilelang_common
+
+    entry_calls, lookups = [], []
+
+    class Module:
+        def main(self, *args):
+            entry_calls.append(args)
+
+    class Adapter:
+        def _get_executable(self):
+            lookups.append(1)
+            return Module()
+
+    class Kernel:
+        adapter = Adapter()
+
+    def factory(n):
+        return ("prim_func", n)
+
+    compiled = Kernel()
+    with mock.patch("tilelang.compile", lambda *a, **kw: compiled), \
+            mock.patch.dict(tilelang_common._kernel_cache, clear=True), \
+            mock.patch.dict(tilelang_common._direct_launchers, clear=True):
+        assert tilelang_common.compile_kernel(factory, n=3) is compiled  # default: TileLang's own call path
+        with tilelang_common.switches(DIRECT_LAUNCH=True):
+            launch = tilelang_common.compile_kernel(factory, n=3)
+            assert tilelang_common.compile_kernel(factory, n=3) is launch
+            assert lookups == []  # nothing loaded before the first launch
+            launch("a", 1)
+            launch("b", 2)
+            assert tilelang_common.compile_kernel(factory, n=4) is not launch
+    assert entry_calls == [("a", 1), ("b", 2)] and lookups == [1]

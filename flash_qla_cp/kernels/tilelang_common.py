@@ -106,6 +106,38 @@ def _log_kernel(factory, params: dict):
                                 "params": params}) + "\n")
 
 
+# Launch kernels through the compiled module's entry function instead of TileLang's adapter
+# (`DirectLaunch`). Off until timed on the GPU (`benchmarks/launch_paths.py`).
+DIRECT_LAUNCH = False
+
+
+def switches(**values):
+    """Set this module's switches (DIRECT_LAUNCH) inside a `with` block."""
+    return switched_globals(globals(), **values)
+
+
+class DirectLaunch:
+    """A compiled kernel called through its module's entry function. Our kernels take every
+    output as an argument (no `out_idx`), so TileLang's adapter, which would allocate outputs,
+    only re-packs the arguments on each call: Python time on every launch. The entry function
+    still checks each argument's shape, dtype and device against the kernel's signature."""
+
+    __slots__ = ("kernel", "_entry")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._entry = None
+
+    def __call__(self, *args):
+        entry = self._entry
+        if entry is None:  # looked up on first launch: loading the module needs the GPU
+            entry = self._entry = self.kernel.adapter._get_executable().main
+        entry(*args)
+
+
+_direct_launchers: dict = {}
+
+
 def compile_kernel(factory, **params):
     """Build `factory(**params)` into a runnable TileLang kernel on first use, then reuse it.
 
@@ -115,15 +147,19 @@ def compile_kernel(factory, **params):
     """
     key = _key(factory, params)
     kern = _kernel_cache.get(key)
-    if kern is not None:
-        return kern
-    with _compile_lock:
-        kern = _kernel_cache.get(key)
-        if kern is None:
-            tilelang, _ = import_tilelang()
-            kern = tilelang.compile(factory(**params), target="cuda", pass_configs=default_pass_configs())
-            _kernel_cache[key] = kern
-            _log_kernel(factory, params)
+    if kern is None:
+        with _compile_lock:
+            kern = _kernel_cache.get(key)
+            if kern is None:
+                tilelang, _ = import_tilelang()
+                kern = tilelang.compile(factory(**params), target="cuda", pass_configs=default_pass_configs())
+                _kernel_cache[key] = kern
+                _log_kernel(factory, params)
+    if DIRECT_LAUNCH:
+        launcher = _direct_launchers.get(key)
+        if launcher is None:
+            launcher = _direct_launchers.setdefault(key, DirectLaunch(kern))
+        return launcher
     return kern
 
 

@@ -8,7 +8,8 @@
 #   python tests/gpu/precompile_cache.py SPEC_FILE (e.g. tests/gpu/precompile_specs_check_bwd.py,
 #   or the kernels.jsonl a call returns: the kernels it used)
 #
-# Phases: check_fwd check_bwd check_walk check_split check_cp bench ncu tune_fwd trace_fwd tune_split profile long_seq. SHAPES / LIBS narrow the
+# Phases: check_fwd check_bwd check_walk check_split check_cp bench ncu tune_fwd trace_fwd tune_split profile long_seq
+# launch_paths (SHAPE) host_overhead (SHAPES, LIBS). SHAPES / LIBS narrow the
 # benchmark (GRAPHS=1 adds CUDA-graph replay timings, also to tune_split; BENCH_NAME names its output folder; SHAPES / PARTS / FWD_BV / SPLIT_H the split sweep);
 # NCU_KERNEL / SHAPE / NCU_LIB / NCU_NAME / NCU_ARGS (e.g. --fwd-only) the ncu phase's kernel, shape, library (ours, flashqla) and file names; PROFILE_LIB the
 # profile phase's library; CP_CHECKS the CP checks (intra, inter); CHECK_FWD_ARGS check_fwd.py's options (default "--quick");
@@ -56,6 +57,10 @@ for phase in "$@"; do
     check_cp) timeout "${CHECK_TIMEOUT:-300}" python tests/gpu/check_cp.py ${CP_CHECKS:-intra inter} 2>&1 | grep -v TileLang | tee "$OUT/check_cp.log" | cut -c1-600 ;;
     bench) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_kernels.py --out "$OUT/${BENCH_NAME:-bench}" ${GRAPHS:+--graphs} \
              ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-300 ;;
+    launch_paths) timeout "${BENCH_TIMEOUT:-300}" python benchmarks/launch_paths.py --out "$OUT/launch_paths" \
+                    ${SHAPE:+--shape "$SHAPE"} 2>&1 | grep -v TileLang | tail -20 | cut -c1-400 ;;
+    host_overhead) timeout "${BENCH_TIMEOUT:-300}" python benchmarks/host_overhead.py --out "$OUT/host_overhead" \
+                     ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-300 ;;
     long_seq)
       for L in ${SEQ_LENS:-262144 524288}; do
         echo "-- seq-len $L (--checkpoint-blocks)" | tee -a "$OUT/long_seq.log"
