@@ -12,10 +12,8 @@ Libraries (same inputs, same process, same timing method):
             (tilelang_fwd.FOUR_WARPGROUPS on, O_TMA off: the forward before o went by TMA)
   ours_otma  the same as ours with the four-warpgroup forward's o stored through shared memory
             by TMA (tilelang_fwd.O_TMA on; ours's default now, kept for same-run comparisons)
-  ours_zero_entry  the same as ours with the split's scans starting from zero themselves
-            (tilelang_split.ZERO_ENTRY_IN_KERNEL on: two zero fills less per fwd+bwd)
-  ours_sum_v_heads  the same as ours with the fused backward walk summing each qk-head's
-            v-heads itself (tilelang_bwd_impl.FUSED_WALK_SUM_V_HEADS on: no v-head sum kernel)
+  ours_adapter  the same as ours with kernels launched through TileLang's adapter
+            (tilelang_common.DIRECT_LAUNCH off: ~4-6 us more host time per launch)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
@@ -177,13 +175,8 @@ def _switched(fn, switches, **values):
 
 
 # bench libraries that run ours with module switches set: [(module, switches)]
-_SPLIT, _BWD, _COMMON = (f"flash_qla_cp.kernels.{m}" for m in ("tilelang_split", "tilelang_bwd_impl", "tilelang_common"))
 SWITCH_LIBS = {
-    "ours_zero_entry": [(_SPLIT, {"ZERO_ENTRY_IN_KERNEL": True})],
-    "ours_sum_v_heads": [(_BWD, {"FUSED_WALK_SUM_V_HEADS": True})],
-    "ours_direct": [(_COMMON, {"DIRECT_LAUNCH": True})],
-    "ours_all": [(_SPLIT, {"ZERO_ENTRY_IN_KERNEL": True}), (_BWD, {"FUSED_WALK_SUM_V_HEADS": True}),
-                 (_COMMON, {"DIRECT_LAUNCH": True})],
+    "ours_adapter": [("flash_qla_cp.kernels.tilelang_common", {"DIRECT_LAUNCH": False})],
 }
 
 

@@ -75,15 +75,17 @@ def fwd_bwd(q, k, v, g, beta, cu=None, h0=None, with_dht=False):
 VARLEN_CU = torch.tensor([0, 5000, 5003, 12004, 16004, 20101], dtype=torch.int32)
 
 
-def test_split_forward_launches_five_kernels_and_one_fill():
+def test_split_forward_launches_five_kernels_and_fills_nothing():
     """TP8 1x32k (2 qk-heads, 4 v-heads, one sequence): cut into partitions, so the forward is
-    prepare, decay tables, summaries, scan, walk; the scan's zero entry state is its one fill."""
+    prepare, decay tables, summaries, scan, walk. Without an initial state the scan starts from
+    zero itself (use_s0 off): no fill."""
     q, k, v, g, beta = inputs(32768, 2, 4)
     (o, ht, saved), launches, fills = run_recorded(lambda: forward(q, k, v, g, beta, True, False))
     assert saved["split"] is not None
     assert launches.names() == ["build_prepare_kernel", "build_decay_tables_kernel", "build_state_summary_kernel",
                                 "build_partition_scan_kernel", "build_fused_fwd_ws4_kernel"]
-    assert fills <= 1
+    assert launches.calls[3][1]["use_s0"] is False
+    assert fills == 0
     assert o.shape == v.shape and ht.shape == (1, 4, 128, 128)
 
 
@@ -96,18 +98,9 @@ def test_split_backward_reads_no_zero_filled_exit_gradients():
                                     "build_bwd_fused_ws_kernel", "build_v_head_sum_kernel"]
     warm = launches.calls[5][1]
     assert warm["limit_chunks"] and not warm["use_dht"]
-    assert fills <= 2  # the two scans' zero entry states
-    assert [t.shape for t in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
-
-
-def test_zero_entry_scans_need_no_fill():
-    """With tilelang_split.ZERO_ENTRY_IN_KERNEL the scans start from zero themselves (use_s0 off)
-    when there is no initial state or final-state gradient: a split fwd+bwd fills nothing."""
-    with mock.patch.object(tilelang_split, "ZERO_ENTRY_IN_KERNEL", True):
-        _, launches, fills = run_recorded(fwd_bwd(*inputs(32768, 2, 4)))
-    scans = [params for factory, params, _ in launches.calls if factory.__name__ == "build_partition_scan_kernel"]
-    assert len(scans) == 2 and all(p["use_s0"] is False for p in scans)
+    assert launches.calls[6][1]["use_s0"] is False  # the reverse scan enters at zero too (no dht)
     assert fills == 0
+    assert [t.shape for t in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
 
 
 def test_unsplit_varlen_call_needs_no_fill():
@@ -119,17 +112,17 @@ def test_unsplit_varlen_call_needs_no_fill():
     assert fills == 0
 
 
-@pytest.mark.parametrize("with_states,zero_entry,sum_v_heads", [(True, False, False), (False, True, True)])
-def test_every_launch_matches_its_kernel_signature(with_states, zero_entry, sum_v_heads):
+@pytest.mark.parametrize("with_states", [True, False])
+def test_every_launch_matches_its_kernel_signature(with_states):
     """Each recorded launch of a split fwd+bwd (with or without an initial state and a
     final-state gradient) passes one argument per PrimFunc parameter, tensors of the buffer's
     rank and dtype: the plumbing between the host code and the kernels, checked without a GPU."""
     h0 = torch.zeros(1, 4, 128, 128) if with_states else None
     call = fwd_bwd(*inputs(32768, 2, 4), h0=h0, with_dht=with_states)
-    with mock.patch.object(tilelang_split, "ZERO_ENTRY_IN_KERNEL", zero_entry), \
-            mock.patch.object(tilelang_bwd_impl, "FUSED_WALK_SUM_V_HEADS", sum_v_heads):
-        _, launches, _ = run_recorded(call)
-    assert len(launches.calls) == (8 if sum_v_heads else 9)  # the walk sums the v-heads: no sum kernel
+    _, launches, _ = run_recorded(call)
+    assert len(launches.calls) == 9
+    scans = [params for factory, params, _ in launches.calls if factory.__name__ == "build_partition_scan_kernel"]
+    assert [p.get("use_s0", True) for p in scans] == [with_states, with_states]
     for factory, params, args in launches.calls:
         prim = factory(**params)
         assert len(args) == len(prim.params), factory.__name__
@@ -140,19 +133,6 @@ def test_every_launch_matches_its_kernel_signature(with_states, zero_entry, sum_
             assert torch.is_tensor(arg), (factory.__name__, var.name)
             assert arg.dim() == len(buf.shape), (factory.__name__, buf.name, arg.shape)
             assert str(arg.dtype).replace("torch.", "") == str(buf.dtype), (factory.__name__, buf.name, arg.dtype)
-
-
-def test_walk_summing_v_heads_writes_dq_dk_itself():
-    """With FUSED_WALK_SUM_V_HEADS the fused walk gets dq / dk per qk-head and zeroed flags, and
-    the separate v-head sum kernel is not launched."""
-    with mock.patch.object(tilelang_bwd_impl, "FUSED_WALK_SUM_V_HEADS", True):
-        grads, launches, _ = run_recorded(fwd_bwd(*inputs(20101, 16, 32), cu=VARLEN_CU))
-    assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_ws4_kernel", "build_bwd_fused_ws_kernel"]
-    _, params, args = launches.calls[-1]
-    assert params["sum_v_heads"] is True
-    dq, dk, flags = args[12], args[13], args[-1]
-    assert dq.data_ptr() == grads[0].data_ptr() and dk.data_ptr() == grads[1].data_ptr()
-    assert flags.dtype == torch.int32 and flags.shape == (args[7].shape[0], 16) and not flags.any()
 
 
 def test_direct_launch_calls_the_compiled_module_entry_once_looked_up():
@@ -181,7 +161,8 @@ def test_direct_launch_calls_the_compiled_module_entry_once_looked_up():
     with mock.patch("tilelang.compile", lambda *a, **kw: compiled), \
             mock.patch.dict(tilelang_common._kernel_cache, clear=True), \
             mock.patch.dict(tilelang_common._direct_launchers, clear=True):
-        assert tilelang_common.compile_kernel(factory, n=3) is compiled  # default: TileLang's own call path
+        with tilelang_common.switches(DIRECT_LAUNCH=False):  # TileLang's own call path
+            assert tilelang_common.compile_kernel(factory, n=3) is compiled
         with tilelang_common.switches(DIRECT_LAUNCH=True):
             launch = tilelang_common.compile_kernel(factory, n=3)
             assert tilelang_common.compile_kernel(factory, n=3) is launch

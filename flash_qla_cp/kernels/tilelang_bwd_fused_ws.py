@@ -45,17 +45,8 @@ LOG2E = 1.4426950408889634
 
 
 def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
-                              store_dh0: bool, sum_v_heads: bool = False):
-    """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; see the module docstring).
-
-    sum_v_heads (GVA, HV > H): the walk writes dq and dk per qk-head [1, T, H, K] itself instead
-    of per v-head parts for a separate sum. The v-heads j = 0 .. HV/H - 1 of a qk-head add up in
-    a chain, chunk by chunk: block j waits until flags[chunk, qk-head] == j, adds what the chain
-    stored so far to its own fp32 dq / dk, stores the sum and sets the flag to j + 1 (a fixed
-    order, so the result is deterministic; flags [NC, H] int32 start at zero). Block j - 1 comes
-    just before block j in launch order (`ordered_block`), so a waiting block's predecessor is
-    already running or done: the wait cannot deadlock.
-    """
+                              store_dh0: bool):
+    """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; see the module docstring)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -67,7 +58,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
     # registers per thread (setmaxnreg; 128 x (state + grad + loader) <= 64K)
     STATE_REGS, GRAD_REGS, LOADER_REGS = 256, 224, 24
     RS = 16  # rows per slice of the <S, dS'> reduction
-    CHAIN_BARRIER = 8  # named barrier of the grad warpgroup's v-head chain (TileLang's reductions use 1-4)
 
     Ttot = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -86,28 +76,32 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
         T.copy(row, r_s[slot, :])
 
     @T.macro
-    def add_chain_part(frag, out, flags, chunk, bh, j, t0, L, tx, wait):
-        # v-head j > 0 of a qk-head: frag += the sum the chain has stored for this chunk (the
-        # first grad thread waits for v-head j - 1's flag, then the warpgroup syncs)
-        if j > 0:
-            if wait:
-                if tx == WG:
-                    while T.atomic_load(flags[chunk, bh], memory_order="acquire") < j:
-                        T.evaluate(0)
-                T.sync_threads(CHAIN_BARRIER, WG)
-            for i, d in T.Parallel(C, K):
-                if i < L:
-                    frag[i, d] = frag[i, d] + T.cast(out[0, t0 + i, bh, d], acc)
-
-    @T.macro
     def zero_rows(dst, L, width):
         for i, d in T.Parallel(C, width):
             if i >= L:
                 dst[i, d] = T.cast(0, dtype)
 
-    @T.macro
-    def walk(q, k, do, vres, ag, gc, beta, h, cu_seqlens, chunk_offsets, order, dht, dq_part, dk_part, dv, dg, db,
-             dh0, flags):
+    @T.prim_func
+    def gdn_bwd_fused_ws(
+        q: T.Tensor((1, Ttot, H, K), dtype),
+        k: T.Tensor((1, Ttot, H, K), dtype),
+        do: T.Tensor((1, Ttot, HV, V), dtype),
+        vres: T.Tensor((1, Ttot, HV, V), dtype),
+        ag: T.Tensor((1, Ttot, HV, C), dtype),
+        gc: T.Tensor((1, Ttot, HV), acc),
+        beta: T.Tensor((1, Ttot, HV), acc),
+        h: T.Tensor((NC, HV, K, V), dtype),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_offsets: T.Tensor((N1,), "int32"),
+        order: T.Tensor((NS,), "int32"),
+        dht: T.Tensor((NT, HV, K, V), acc),
+        dq_part: T.Tensor((1, Ttot, HV, K), dtype),
+        dk_part: T.Tensor((1, Ttot, HV, K), dtype),
+        dv: T.Tensor((1, Ttot, HV, V), dtype),
+        dg: T.Tensor((1, Ttot, HV), acc),
+        db: T.Tensor((1, Ttot, HV), acc),
+        dh0: T.Tensor((N0, HV, K, V), acc),
+    ):
         with T.Kernel(N1 - 1, HV, threads=3 * WG) as (bn, bhv_block):
             n, bhv = ordered_block(order, bn, bhv_block, N1 - 1, HV)  # longest sequences first
             bh = bhv // grp
@@ -343,11 +337,9 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.reduce_sum(tmp_f, row_f, dim=1)
                     T.copy(row_f, r_s[5, :])
                     T.gemm(pm_s, k_s, acc_f)
-                    if sum_v_heads:
-                        add_chain_part(acc_f, dq_part, flags, c_first + c, bh, bhv % grp, t0, L, tx, True)
                     for i, d in T.Parallel(C, K):
                         if i < L:
-                            dq_part[0, t0 + i, bh if sum_v_heads else bhv, d] = acc_f[i, d]
+                            dq_part[0, t0 + i, bhv, d] = acc_f[i, d]
                     # dk = Pm^T q + diag(exp(GL - G)) v_new dS'^T + X k + X^T k - E t S^T
                     T.gemm(pm_s, q_s, acc_f, transpose_A=True, clear_accum=True)
                     T.barrier_wait(ds_ready, ph)
@@ -386,15 +378,9 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
                     T.reduce_sum(tmp_f, row_f, dim=1)
                     T.copy(row_f, r_s[6, :])
-                    if sum_v_heads:
-                        add_chain_part(acc_f, dk_part, flags, c_first + c, bh, bhv % grp, t0, L, tx, False)
                     for i, d in T.Parallel(C, K):
                         if i < L:
-                            dk_part[0, t0 + i, bh if sum_v_heads else bhv, d] = acc_f[i, d]
-                    if sum_v_heads:  # this chunk's dq and dk are stored: the next v-head may add
-                        T.sync_threads(CHAIN_BARRIER, WG)
-                        if tx == WG:
-                            T.atomic_store(flags[c_first + c, bh], bhv % grp + 1, memory_order="release")
+                            dk_part[0, t0 + i, bhv, d] = acc_f[i, d]
                     T.barrier_arrive(free_c)
                     # dG (reverse cumsum inside the chunk) and dbeta
                     for i in T.Parallel(C):
@@ -470,59 +456,5 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         T.tma_copy(q[0, t0 : t0 + C, bh, :], q_s, barrier=ready_c)
                         T.tma_copy(k[0, t0 : t0 + C, bh, :], k_s, barrier=ready_c)
                         T.barrier_arrive(ready_c)
-
-    # two signatures: flags only with sum_v_heads (the default kernel stays as it was)
-    if sum_v_heads:
-
-        @T.prim_func
-        def gdn_bwd_fused_ws(
-            q: T.Tensor((1, Ttot, H, K), dtype),
-            k: T.Tensor((1, Ttot, H, K), dtype),
-            do: T.Tensor((1, Ttot, HV, V), dtype),
-            vres: T.Tensor((1, Ttot, HV, V), dtype),
-            ag: T.Tensor((1, Ttot, HV, C), dtype),
-            gc: T.Tensor((1, Ttot, HV), acc),
-            beta: T.Tensor((1, Ttot, HV), acc),
-            h: T.Tensor((NC, HV, K, V), dtype),
-            cu_seqlens: T.Tensor((N1,), "int32"),
-            chunk_offsets: T.Tensor((N1,), "int32"),
-            order: T.Tensor((NS,), "int32"),
-            dht: T.Tensor((NT, HV, K, V), acc),
-            dq_part: T.Tensor((1, Ttot, H, K), dtype),  # dq and dk themselves
-            dk_part: T.Tensor((1, Ttot, H, K), dtype),
-            dv: T.Tensor((1, Ttot, HV, V), dtype),
-            dg: T.Tensor((1, Ttot, HV), acc),
-            db: T.Tensor((1, Ttot, HV), acc),
-            dh0: T.Tensor((N0, HV, K, V), acc),
-            flags: T.Tensor((NC, H), "int32"),
-        ):
-            walk(q, k, do, vres, ag, gc, beta, h, cu_seqlens, chunk_offsets, order, dht, dq_part, dk_part, dv, dg, db,
-                 dh0, flags)
-
-        return gdn_bwd_fused_ws
-
-    @T.prim_func
-    def gdn_bwd_fused_ws(
-        q: T.Tensor((1, Ttot, H, K), dtype),
-        k: T.Tensor((1, Ttot, H, K), dtype),
-        do: T.Tensor((1, Ttot, HV, V), dtype),
-        vres: T.Tensor((1, Ttot, HV, V), dtype),
-        ag: T.Tensor((1, Ttot, HV, C), dtype),
-        gc: T.Tensor((1, Ttot, HV), acc),
-        beta: T.Tensor((1, Ttot, HV), acc),
-        h: T.Tensor((NC, HV, K, V), dtype),
-        cu_seqlens: T.Tensor((N1,), "int32"),
-        chunk_offsets: T.Tensor((N1,), "int32"),
-        order: T.Tensor((NS,), "int32"),
-        dht: T.Tensor((NT, HV, K, V), acc),
-        dq_part: T.Tensor((1, Ttot, HV, K), dtype),
-        dk_part: T.Tensor((1, Ttot, HV, K), dtype),
-        dv: T.Tensor((1, Ttot, HV, V), dtype),
-        dg: T.Tensor((1, Ttot, HV), acc),
-        db: T.Tensor((1, Ttot, HV), acc),
-        dh0: T.Tensor((N0, HV, K, V), acc),
-    ):
-        walk(q, k, do, vres, ag, gc, beta, h, cu_seqlens, chunk_offsets, order, dht, dq_part, dk_part, dv, dg, db,
-             dh0, None)
 
     return gdn_bwd_fused_ws

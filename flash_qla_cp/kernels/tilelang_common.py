@@ -107,8 +107,10 @@ def _log_kernel(factory, params: dict):
 
 
 # Launch kernels through the compiled module's entry function instead of TileLang's adapter
-# (`DirectLaunch`). Off until timed on the GPU (`benchmarks/launch_paths.py`).
-DIRECT_LAUNCH = False
+# (`DirectLaunch`). H200, host us per launch (results/launch_paths_h200_2026-12-04.json): 10-19
+# through the adapter, 6-13 direct; TP8 1x32k eager fwd 0.230 -> 0.194 ms, fwd+bwd 1.389 ->
+# 1.217 (results/bench_kernels_h200_2026-12-04_switches.md). Off: TileLang's own call path.
+DIRECT_LAUNCH = True
 
 
 def switches(**values):
@@ -131,7 +133,8 @@ class DirectLaunch:
     def __call__(self, *args):
         entry = self._entry
         if entry is None:  # looked up on first launch: loading the module needs the GPU
-            entry = self._entry = self.kernel.adapter._get_executable().main
+            executable = getattr(self.kernel.adapter, "_get_executable", None)  # TileLang's tvm-ffi adapter
+            entry = self._entry = executable().main if executable is not None else self.kernel
         entry(*args)
 
 

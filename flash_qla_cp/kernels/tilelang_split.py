@@ -567,36 +567,25 @@ def scan_block_v(V: int, num_seqs: int, HV: int, sm_count: int) -> int:
     return 16 if (V // 16) * num_seqs * HV <= sm_count else 32
 
 
-# Sequences entering the scan at zero (no initial state / no final-state gradient): the scan
-# kernel starts from zero itself (use_s0 off) instead of reading a zero-filled [N, HV, K, V]
-# tensor, one fill launch less per scan. Off until checked on the GPU (lowered, nvcc-built and
-# signature-checked on the CPU).
-ZERO_ENTRY_IN_KERNEL = False
-
-
-def switches(**values):
-    """Set this module's switches (ZERO_ENTRY_IN_KERNEL) inside a `with` block."""
-    return switched_globals(globals(), **values)
-
-
 def scan_partitions(m, add, seq_parts_dev, s0, reverse: bool, num_seqs: int = None):
     """Run the partition scan: [NP, HV, K, V] fp32 (state entering each partition, or with
     reverse=True the gradient of the state leaving it). s0: each sequence's entry [N, HV, K, V]
-    fp32, or None for zero (then num_seqs gives N)."""
+    fp32, or None for zero (then num_seqs gives N): the kernel starts from zero itself (use_s0
+    off) instead of reading a zero-filled tensor, one fill launch less per scan (H200, TP8 1x32k
+    eager fwd+bwd 1.389 -> 1.314 ms with both scans so, results/bench_kernels_h200_2026-12-04_switches.md)."""
     from .tilelang_fwd import _sm_count
 
     NP, HV, K, _ = m.shape
     V = add.shape[-1]
-    n_seqs = s0.shape[0] if s0 is not None else num_seqs
-    use_s0 = s0 is not None or not ZERO_ENTRY_IN_KERNEL
-    if s0 is None:  # zero entries: filled here, or a placeholder the kernel does not read
-        alloc = torch.zeros if use_s0 else torch.empty
-        s0 = alloc(n_seqs if use_s0 else 1, HV, K, V, dtype=torch.float32, device=m.device)
+    add = kernel_operand(add)
+    use_s0 = s0 is not None
+    n_seqs = s0.shape[0] if use_s0 else num_seqs
     out = torch.empty(NP, HV, K, V, dtype=torch.float32, device=m.device)
     kern = compile_kernel(build_partition_scan_kernel, HV=HV, K=K, V=V, reverse=bool(reverse),
                           block_v=scan_block_v(V, n_seqs, HV, _sm_count(m.device)),
                           **({} if use_s0 else {"use_s0": False}))
-    kern(kernel_operand(m), kernel_operand(add), seq_parts_dev, kernel_operand(s0), out)
+    # without use_s0 the s0 argument is a placeholder of the right rank (not read)
+    kern(kernel_operand(m), add, seq_parts_dev, kernel_operand(s0) if use_s0 else add[:1], out)
     return out
 
 
@@ -606,7 +595,7 @@ def split_kernel_specs(H, HV, K, V, dtype):
     tiles = sorted({scan_block_v(V, 1, HV, 10**6), scan_block_v(V, 1, HV, 0)})  # both tiles it may pick
     return [
         (build_state_summary_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype)),
-        *[(build_partition_scan_kernel, dict(HV=HV, K=K, V=V, reverse=rev, block_v=bv))
-          for bv in tiles for rev in (False, True)],
+        *[(build_partition_scan_kernel, dict(HV=HV, K=K, V=V, reverse=rev, block_v=bv, **entry))
+          for bv in tiles for rev in (False, True) for entry in ({}, {"use_s0": False})],
         (build_decay_tables_kernel, dict(HV=HV)),
     ]

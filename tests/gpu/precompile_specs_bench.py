@@ -6,9 +6,8 @@ stubbed out and each requested kernel recorded. No GPU and no compilation happen
     python tests/gpu/precompile_cache.py tests/gpu/precompile_specs_bench.py
 
 BENCH_SPEC_SHAPES (comma-separated shape names) narrows the shapes, BENCH_SPEC_NOSPLIT=1 adds
-the unsplit forward (the bench's `ours_nosplit`), BENCH_SPEC_ZERO_ENTRY=1 the scans of
-`ours_zero_entry`, BENCH_SPEC_SUM_V_HEADS=1 the walks of `ours_sum_v_heads`; the kernel switches of
-the current checkout apply, so run it on the branch whose kernels the device call needs.
+the unsplit forward (the bench's `ours_nosplit`); the kernel switches of the current checkout
+apply, so run it on the branch whose kernels the device call needs.
 """
 
 import os
@@ -63,25 +62,17 @@ def shape_specs(name, sms, found):
             mock.patch.object(tilelang_bwd_impl, "_sm_count", lambda device: sms, create=True), \
             mock.patch("torch.cuda.get_device_properties",
                        lambda *a: type("P", (), {"multi_processor_count": sms})()):
-        # (intra_cp, final states, keep states, module switches); the first three are the bench's ours
-        runs = [("auto", True, False, {}), ("auto", False, True, {}), ("auto", False, False, {})]
+        # (intra_cp, final states, keep states); the first three are the bench's ours
+        runs = [("auto", True, False), ("auto", False, True), ("auto", False, False)]
         if os.environ.get("BENCH_SPEC_NOSPLIT") == "1":  # ours_nosplit
-            runs.append(("off", True, False, {}))
-        if os.environ.get("BENCH_SPEC_ZERO_ENTRY") == "1":  # ours_zero_entry
-            runs += [("auto", final, not final, {"zero_entry": True}) for final in (True, False)]
-        if os.environ.get("BENCH_SPEC_SUM_V_HEADS") == "1":  # ours_sum_v_heads
-            runs.append(("auto", False, True, {"sum_v_heads": True}))
-        for parts, final, keep, switch in runs:
-            zero_entry = switch.get("zero_entry", tilelang_split.ZERO_ENTRY_IN_KERNEL)
-            sum_v_heads = switch.get("sum_v_heads", tilelang_bwd_impl.FUSED_WALK_SUM_V_HEADS)
-            with tilelang_split.switches(ZERO_ENTRY_IN_KERNEL=zero_entry), \
-                    tilelang_bwd_impl.switches(FUSED_WALK_SUM_V_HEADS=sum_v_heads):
-                o, ht, saved = tilelang_fwd.tilelang_chunk_gated_delta_rule_fwd(
-                    q, k, v, g, beta, scale, None, final, cu, partitions=parts, cu_seqlens_host=cu_host,
-                    save_states=keep)
-                if not final:  # the bench's forward (final states) has no backward
-                    tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
-                        torch.zeros_like(o), None, q, k, v, g, beta, scale, None, cu, saved)
+            runs.append(("off", True, False))
+        for parts, final, keep in runs:
+            o, ht, saved = tilelang_fwd.tilelang_chunk_gated_delta_rule_fwd(
+                q, k, v, g, beta, scale, None, final, cu, partitions=parts, cu_seqlens_host=cu_host,
+                save_states=keep)
+            if not final:  # the bench's forward (final states) has no backward
+                tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
+                    torch.zeros_like(o), None, q, k, v, g, beta, scale, None, cu, saved)
 
 
 def specs(sms):
