@@ -146,18 +146,26 @@ def test_direct_launch_calls_the_compiled_module_entry_once_looked_up():
         def main(self, *args):
             entry_calls.append(args)
 
-    class Adapter:
-        def _get_executable(self):
-            lookups.append(1)
+    class Executable:  # what TileLang gives for a kernel compiled in this process
+        def jit(self):
             return Module()
 
+    class Adapter:
+        def __init__(self, executable):
+            self.executable = executable
+
+        def _get_executable(self):
+            lookups.append(1)
+            return self.executable
+
     class Kernel:
-        adapter = Adapter()
+        def __init__(self, executable):
+            self.adapter = Adapter(executable)
 
     def factory(n):
         return ("prim_func", n)
 
-    compiled = Kernel()
+    compiled = Kernel(Module())  # as loaded from TileLang's disk cache
     with mock.patch("tilelang.compile", lambda *a, **kw: compiled), \
             mock.patch.dict(tilelang_common._kernel_cache, clear=True), \
             mock.patch.dict(tilelang_common._direct_launchers, clear=True):
@@ -170,4 +178,7 @@ def test_direct_launch_calls_the_compiled_module_entry_once_looked_up():
             launch("a", 1)
             launch("b", 2)
             assert tilelang_common.compile_kernel(factory, n=4) is not launch
-    assert entry_calls == [("a", 1), ("b", 2)] and lookups == [1]
+            assert entry_calls == [("a", 1), ("b", 2)] and lookups == [1]
+            fresh = tilelang_common.DirectLaunch(Kernel(Executable()))  # as compiled in this process
+            fresh("c")
+            assert entry_calls[-1] == ("c",)

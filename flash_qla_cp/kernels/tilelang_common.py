@@ -133,9 +133,18 @@ class DirectLaunch:
     def __call__(self, *args):
         entry = self._entry
         if entry is None:  # looked up on first launch: loading the module needs the GPU
-            executable = getattr(self.kernel.adapter, "_get_executable", None)  # TileLang's tvm-ffi adapter
-            entry = self._entry = executable().main if executable is not None else self.kernel
+            entry = self._entry = self._entry_function()
         entry(*args)
+
+    def _entry_function(self):
+        get_executable = getattr(self.kernel.adapter, "_get_executable", None)  # TileLang's tvm-ffi adapter
+        if get_executable is None:  # another execution backend: its own call path
+            return self.kernel
+        executable = get_executable()
+        # a kernel compiled in this process gives a tvm Executable (its runnable module comes from
+        # jit()); one loaded from TileLang's disk cache gives the module itself
+        module = executable.jit() if hasattr(executable, "jit") else executable
+        return module.main
 
 
 _direct_launchers: dict = {}
