@@ -180,8 +180,10 @@ SWITCH_LIBS = {
 }
 
 
-def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
-    """(fwd_fn, fwdbwd_fn or error string) for one library."""
+def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None, with_train_fwd=False):
+    """(fwd_fn, fwdbwd_fn or error string) for one library; with_train_fwd adds a third: the
+    fwd+bwd's forward alone (inputs needing grad, states kept for a backward that never comes),
+    so that fwd+bwd minus it is the backward's time."""
     cu32 = None if cu is None else cu.to(device="cuda", dtype=torch.int32)
     cu64 = None if cu is None else cu.to(device="cuda", dtype=torch.int64)
     do = torch.randn_like(v)
@@ -195,6 +197,12 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
         for t in ins:
             t.grad = None
         o.backward(do)
+
+    def fns(fwd, train_fwd, ins):
+        def fwdbwd():
+            backward(train_fwd(), ins)
+
+        return (fwd, fwdbwd, train_fwd) if with_train_fwd else (fwd, fwdbwd)
 
     if lib in ("ours", "ours_nosplit", "ours_recompute", "ours_ws4", "ours_otma", *SWITCH_LIBS):
         from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
@@ -214,24 +222,25 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
 
         ins = grads_inputs()
 
-        def fwdbwd():
-            o, _ = ours_op(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32, backend="tilelang",
-                           intra_cp=intra, save_states=keep, cu_seqlens_cpu=cu_cpu)
-            backward(o, ins)
+        def train_fwd():
+            return ours_op(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32, backend="tilelang",
+                           intra_cp=intra, save_states=keep, cu_seqlens_cpu=cu_cpu)[0]
+
+        out = fns(fwd, train_fwd, ins)
 
         if lib in SWITCH_LIBS:
             import importlib
 
             for module, switch in SWITCH_LIBS[lib]:
                 switches = importlib.import_module(module).switches
-                fwd, fwdbwd = _switched(fwd, switches, **switch), _switched(fwdbwd, switches, **switch)
-            return fwd, fwdbwd
+                out = tuple(_switched(fn, switches, **switch) for fn in out)
+            return out
         if lib in ("ours_ws4", "ours_otma"):
             from flash_qla_cp.kernels import tilelang_fwd
 
             switch = dict(FOUR_WARPGROUPS=True, O_TMA=lib == "ours_otma")
-            return (_switched(fwd, tilelang_fwd.switches, **switch), _switched(fwdbwd, tilelang_fwd.switches, **switch))
-        return fwd, fwdbwd
+            return tuple(_switched(fn, tilelang_fwd.switches, **switch) for fn in out)
+        return out
 
     if lib == "flashqla":
         from flash_qla import chunk_gated_delta_rule as fq
@@ -242,11 +251,10 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
 
         ins = grads_inputs()
 
-        def fwdbwd():
-            o, _ = fq(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32)
-            backward(o, ins)
+        def train_fwd():
+            return fq(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32)[0]
 
-        return fwd, fwdbwd
+        return fns(fwd, train_fwd, ins)
 
     if lib == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fl
@@ -260,11 +268,10 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None):
 
         ins = grads_inputs()
 
-        def fwdbwd():
-            o, _ = fl(*ins, scale=scale, output_final_state=False, cu_seqlens=cu64, cu_seqlens_cpu=cu_cpu)
-            backward(o, ins)
+        def train_fwd():
+            return fl(*ins, scale=scale, output_final_state=False, cu_seqlens=cu64, cu_seqlens_cpu=cu_cpu)[0]
 
-        return fwd, fwdbwd
+        return fns(fwd, train_fwd, ins)
     raise ValueError(lib)
 
 
@@ -374,7 +381,7 @@ def main():
                 ours_cfg = tuned.get(sname) if lib == "ours" else None
                 if ours_cfg:
                     row["ours_config"] = ours_cfg
-                fwd, fwdbwd = build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg)
+                fwd, fwdbwd, train_fwd = build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg, with_train_fwd=True)
             except Exception as exc:  # noqa: BLE001
                 row["fwd_error"] = row["fwdbwd_error"] = repr(exc)[:500]
                 rows.append(row)
@@ -397,10 +404,14 @@ def main():
                     ms, peak = measure(fwdbwd, args.rep)
                     row.update(fwdbwd_ms=ms, fwdbwd_tflops=3 * fl_f / ms / 1e9, fwdbwd_gbps=by_fb / ms / 1e6,
                                fwdbwd_peak_mib=peak / 2**20)
+                    # the backward alone: fwd+bwd minus its own forward (inputs needing grad)
+                    row["train_fwd_ms"] = measure(train_fwd, args.rep)[0]
+                    row["bwd_ms"] = ms - row["train_fwd_ms"]
                 except Exception as exc:  # noqa: BLE001
                     row["fwdbwd_error"] = (repr(exc) + " | " + traceback.format_exc()[-800:])[:1500]
             if args.graphs:
-                for name, fn in (("fwd", fwd), ("fwdbwd", None if args.no_bwd else fwdbwd)):
+                for name, fn in (("fwd", fwd), ("fwdbwd", None if args.no_bwd else fwdbwd),
+                                 ("train_fwd", None if args.no_bwd else train_fwd)):
                     if callable(fn) and f"{name}_ms" in row:
                         try:
                             replay = graphed(fn)
@@ -410,6 +421,8 @@ def main():
                                 row[f"{name}_graph_ms"] = measure(replay, args.rep)[0]
                         except Exception as exc:  # noqa: BLE001
                             row[f"{name}_graph_error"] = repr(exc)[:300]
+            if "fwdbwd_graph_ms" in row and "train_fwd_graph_ms" in row:
+                row["bwd_graph_ms"] = row["fwdbwd_graph_ms"] - row["train_fwd_graph_ms"]
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
@@ -440,13 +453,14 @@ def to_markdown(meta, rows, partial=False):
         "",
         "Speed-up columns: FlashQLA's time / this library's time on the same shape (> 1: faster than "
         "FlashQLA). o err / ht err: relative L2 error of the output / final state against the float32 "
-        "torch reference.",
+        "torch reference. bwd ms: fwd+bwd ms minus the time of its forward alone (the same call, inputs "
+        "needing grad, no backward).",
         "",
         "| shape | lib | fwd ms | x FlashQLA | fwd TFLOP/s | fwd GB/s | fwd peak MiB | fwd+bwd ms | x FlashQLA "
-        "| fwd+bwd TFLOP/s | fwd+bwd peak MiB | o err | ht err | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| bwd ms | x FlashQLA | fwd+bwd TFLOP/s | fwd+bwd peak MiB | o err | ht err | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    peer = {(r["shape"], key): r.get(key) for r in rows if r["lib"] == "flashqla" for key in ("fwd_ms", "fwdbwd_ms")}
+    peer = {(r["shape"], key): r.get(key) for r in rows if r["lib"] == "flashqla" for key in ("fwd_ms", "fwdbwd_ms", "bwd_ms")}
 
     def speedup(r, key):
         mine, theirs = r.get(key), peer.get((r["shape"], key))
@@ -457,10 +471,11 @@ def to_markdown(meta, rows, partial=False):
 
     graphs = any(k in r for r in rows for k in ("fwd_graph_ms", "fwd_graph_error"))
     if graphs:
-        out[-2] = out[-2].replace(" | note |", " | graph fwd ms | x FlashQLA | graph fwd+bwd ms | x FlashQLA | note |")
-        out[-1] += "---|---|---|---|"
+        out[-2] = out[-2].replace(" | note |", " | graph fwd ms | x FlashQLA | graph fwd+bwd ms | x FlashQLA "
+                                  "| graph bwd ms | x FlashQLA | note |")
+        out[-1] += "---|---|---|---|---|---|"
         peer.update({(r["shape"], key): r.get(key) for r in rows if r["lib"] == "flashqla"
-                     for key in ("fwd_graph_ms", "fwdbwd_graph_ms")})
+                     for key in ("fwd_graph_ms", "fwdbwd_graph_ms", "bwd_graph_ms")})
     for r in rows:
         cfg = r.get("ours_config")
         note = ("config " + ",".join(f"{k}={v}" for k, v in cfg.items()) + "; ") if cfg else ""
@@ -469,10 +484,12 @@ def to_markdown(meta, rows, partial=False):
         out.append(
             f"| {r['shape']} | {r['lib']} | {_fmt(r, 'fwd_ms')} | {speedup(r, 'fwd_ms')} | {_fmt(r, 'fwd_tflops', 1)} | "
             f"{_fmt(r, 'fwd_gbps', 0)} | {_fmt(r, 'fwd_peak_mib', 0)} | {_fmt(r, 'fwdbwd_ms')} | "
-            f"{speedup(r, 'fwdbwd_ms')} | {_fmt(r, 'fwdbwd_tflops', 1)} | {_fmt(r, 'fwdbwd_peak_mib', 0)} | "
+            f"{speedup(r, 'fwdbwd_ms')} | {_fmt(r, 'bwd_ms')} | {speedup(r, 'bwd_ms')} | "
+            f"{_fmt(r, 'fwdbwd_tflops', 1)} | {_fmt(r, 'fwdbwd_peak_mib', 0)} | "
             f"{sci(r, 'o_err')} | {sci(r, 'ht_err')} | "
             + (f"{_fmt(r, 'fwd_graph_ms')} | {speedup(r, 'fwd_graph_ms')} | {_fmt(r, 'fwdbwd_graph_ms')} | "
-               f"{speedup(r, 'fwdbwd_graph_ms')} | " if graphs else "")
+               f"{speedup(r, 'fwdbwd_graph_ms')} | {_fmt(r, 'bwd_graph_ms')} | {speedup(r, 'bwd_graph_ms')} | "
+               if graphs else "")
             + f"{note} |"
         )
     return "\n".join(out) + "\n"
