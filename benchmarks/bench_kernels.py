@@ -275,6 +275,19 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None, with_train_fwd=Fa
     raise ValueError(lib)
 
 
+def each_call(shapes, libs):
+    """(shape, lib, pass, fn) for the forward ("fwd") and fwd+bwd ("fwdbwd") of every library on
+    every shape's bench inputs (fwd+bwd left out where a library has none): the loop of the
+    host-time tools."""
+    for sname in shapes:
+        q, k, v, g, beta, cu = shape_inputs(sname)
+        for lib in libs:
+            fwd, fwdbwd = build_fns(lib, q, k, v, g, beta, cu, q.shape[-1] ** -0.5)
+            for name, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+                if callable(fn):
+                    yield sname, lib, name, fn
+
+
 def reference_outputs(q, k, v, g, beta, cu, scale):
     """(o, final state) of the torch chunked reference in float32 on the GPU."""
     from flash_qla_cp.kernels.reference_chunked import chunk_gated_delta_rule_torch

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_kernels import build_fns, shape_inputs  # noqa: E402
+from bench_kernels import each_call  # noqa: E402
 from profile_kernels import host_ms  # noqa: E402
 
 
@@ -54,23 +54,18 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     result = []
-    for sname in args.shapes.split(","):
-        q, k, v, g, beta, cu = shape_inputs(sname)
-        scale = q.shape[-1] ** -0.5
-        for lib in args.libs.split(","):
-            fwd, fwdbwd = build_fns(lib, q, k, v, g, beta, cu, scale)
-            for name, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-                entry = {"shape": sname, "lib": lib, "pass": name,
-                         "wall_ms": round(triton.testing.do_bench(fn, return_mode="median"), 4),
-                         "host_ms": round(host_ms(fn, args.iters), 4)}
-                if lib == "ours":
-                    entry["tottime"] = profile_top(fn, args.iters, "tottime")
-                    entry["cumtime"] = profile_top(fn, args.iters, "cumulative")
-                result.append(entry)
-                print(json.dumps({k: v for k, v in entry.items() if k not in ("tottime", "cumtime")}), flush=True)
-                for key in ("tottime", "cumtime"):
-                    for ln in entry.get(key, []):
-                        print(f"  {key[:3]} {ln[:200]}")
+    for sname, lib, name, fn in each_call(args.shapes.split(","), args.libs.split(",")):
+        entry = {"shape": sname, "lib": lib, "pass": name,
+                 "wall_ms": round(triton.testing.do_bench(fn, return_mode="median"), 4),
+                 "host_ms": round(host_ms(fn, args.iters), 4)}
+        if lib == "ours":
+            entry["tottime"] = profile_top(fn, args.iters, "tottime")
+            entry["cumtime"] = profile_top(fn, args.iters, "cumulative")
+        result.append(entry)
+        print(json.dumps({k: v for k, v in entry.items() if k not in ("tottime", "cumtime")}), flush=True)
+        for key in ("tottime", "cumtime"):
+            for ln in entry.get(key, []):
+                print(f"  {key[:3]} {ln[:200]}")
     with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
         json.dump(result, f, indent=1)
 

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_kernels import build_fns, shape_inputs  # noqa: E402
+from bench_kernels import each_call  # noqa: E402
 
 
 def host_ms(fn, busy_cycles, reps=5):
@@ -64,21 +64,14 @@ def main():
     # cycles of the sleep kernel for busy-ms (clock rate in kHz)
     busy_cycles = int(args.busy_ms * torch.cuda.get_device_properties(0).clock_rate)
     rows = []
-    for sname in args.shapes.split(","):
-        q, k, v, g, beta, cu = shape_inputs(sname)
-        for lib in args.libs.split(","):
-            fwd, fwdbwd = build_fns(lib, q, k, v, g, beta, cu, q.shape[-1] ** -0.5)
-            for name, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-                if not callable(fn):
-                    continue
-                fn()
-                fn()
-                row = {"shape": sname, "lib": lib, "pass": name,
-                       "idle_host_ms": round(host_ms(fn, 0), 3),
-                       "busy_host_ms": round(host_ms(fn, busy_cycles), 3), "busy_ms": args.busy_ms,
-                       "torch_syncs": torch_syncs(fn)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    for sname, lib, name, fn in each_call(args.shapes.split(","), args.libs.split(",")):
+        fn()
+        fn()
+        row = {"shape": sname, "lib": lib, "pass": name, "idle_host_ms": round(host_ms(fn, 0), 3),
+               "busy_host_ms": round(host_ms(fn, busy_cycles), 3), "busy_ms": args.busy_ms,
+               "torch_syncs": torch_syncs(fn)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sync_probe.json"), "w") as f:
         json.dump(rows, f, indent=1)
