@@ -14,8 +14,6 @@ Libraries (same inputs, same process, same timing method):
             by TMA (tilelang_fwd.O_TMA on; ours's default now, kept for same-run comparisons)
   ours_adapter  the same as ours with kernels launched through TileLang's adapter
             (tilelang_common.DIRECT_LAUNCH off: ~4-6 us more host time per launch)
-  ours_sum_v_heads  the same as ours with the fused backward walk adding up each qk-head's
-            v-heads itself (tilelang_bwd_impl.FUSED_WALK_SUM_V_HEADS on: no v-head sum kernel)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
@@ -179,7 +177,6 @@ def _switched(fn, switches, **values):
 # bench libraries that run ours with module switches set: [(module, switches)]
 SWITCH_LIBS = {
     "ours_adapter": [("flash_qla_cp.kernels.tilelang_common", {"DIRECT_LAUNCH": False})],
-    "ours_sum_v_heads": [("flash_qla_cp.kernels.tilelang_bwd_impl", {"FUSED_WALK_SUM_V_HEADS": True})],
 }
 
 

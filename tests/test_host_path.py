@@ -112,16 +112,15 @@ def test_unsplit_varlen_call_needs_no_fill():
     assert fills == 0
 
 
-@pytest.mark.parametrize("with_states,sum_v_heads", [(True, False), (False, True)])
-def test_every_launch_matches_its_kernel_signature(with_states, sum_v_heads):
+@pytest.mark.parametrize("with_states", [True, False])
+def test_every_launch_matches_its_kernel_signature(with_states):
     """Each recorded launch of a split fwd+bwd (with or without an initial state and a
     final-state gradient) passes one argument per PrimFunc parameter, tensors of the buffer's
     rank and dtype: the plumbing between the host code and the kernels, checked without a GPU."""
     h0 = torch.zeros(1, 4, 128, 128) if with_states else None
     call = fwd_bwd(*inputs(32768, 2, 4), h0=h0, with_dht=with_states)
-    with mock.patch.object(tilelang_bwd_impl, "FUSED_WALK_SUM_V_HEADS", sum_v_heads):
-        _, launches, _ = run_recorded(call)
-    assert len(launches.calls) == (8 if sum_v_heads else 9)  # the walk adds up the v-heads: no sum kernel
+    _, launches, _ = run_recorded(call)
+    assert len(launches.calls) == 9
     scans = [params for factory, params, _ in launches.calls if factory.__name__ == "build_partition_scan_kernel"]
     assert [p.get("use_s0", True) for p in scans] == [with_states, with_states]
     for factory, params, args in launches.calls:
@@ -134,21 +133,6 @@ def test_every_launch_matches_its_kernel_signature(with_states, sum_v_heads):
             assert torch.is_tensor(arg), (factory.__name__, var.name)
             assert arg.dim() == len(buf.shape), (factory.__name__, buf.name, arg.shape)
             assert str(arg.dtype).replace("torch.", "") == str(buf.dtype), (factory.__name__, buf.name, arg.dtype)
-
-
-def test_walk_adding_v_heads_writes_dq_dk_itself():
-    """With FUSED_WALK_SUM_V_HEADS the fused walk gets the per-v-head parts, dq / dk per qk-head
-    and zeroed arrival counts per (chunk, qk-head); the separate v-head sum kernel is not
-    launched."""
-    with mock.patch.object(tilelang_bwd_impl, "FUSED_WALK_SUM_V_HEADS", True):
-        grads, launches, _ = run_recorded(fwd_bwd(*inputs(20101, 16, 32), cu=VARLEN_CU))
-    assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_ws4_kernel", "build_bwd_fused_ws_kernel"]
-    _, params, args = launches.calls[-1]
-    assert params["sum_v_heads"] is True
-    dq_part, dk_part, dq, dk, arrivals = args[12], args[13], args[-3], args[-2], args[-1]
-    assert dq_part.shape[2] == dk_part.shape[2] == 32
-    assert dq.data_ptr() == grads[0].data_ptr() and dk.data_ptr() == grads[1].data_ptr()
-    assert arrivals.dtype == torch.int32 and arrivals.shape == (args[7].shape[0], 16) and not arrivals.any()
 
 
 def test_direct_launch_calls_the_compiled_module_entry_once_looked_up():

@@ -45,16 +45,8 @@ LOG2E = 1.4426950408889634
 
 
 def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
-                              store_dh0: bool, sum_v_heads: bool = False):
-    """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; see the module docstring).
-
-    sum_v_heads (GVA, HV > H): the walk also writes dq and dk per qk-head [1, T, H, K], so no
-    separate sum kernel runs. Every v-head stores its parts as usual, then counts itself in
-    arrivals[chunk, qk-head] ([NC, H] int32, zero at the start). The block that arrives last adds
-    the group's parts of that chunk in v-head order, in fp32 from the stored dtype, as the sum
-    kernel does: the results are bitwise the same and deterministic. Nobody waits for
-    anybody; the parts were stored moments before, so they are read from L2.
-    """
+                              store_dh0: bool):
+    """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; see the module docstring)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -66,7 +58,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
     # registers per thread (setmaxnreg; 128 x (state + grad + loader) <= 64K)
     STATE_REGS, GRAD_REGS, LOADER_REGS = 256, 224, 24
     RS = 16  # rows per slice of the <S, dS'> reduction
-    SUM_BARRIER = 8  # named barrier of the grad warpgroup's v-head count (TileLang's reductions use 1-4)
 
     Ttot = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -85,26 +76,32 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
         T.copy(row, r_s[slot, :])
 
     @T.macro
-    def sum_parts(frag, part, out, bh, t0, L):
-        # out[t0 + i, bh] = sum over the qk-head's v-heads of part[t0 + i, v-head], in order
-        for i, d in T.Parallel(C, K):
-            frag[i, d] = T.cast(part[0, t0 + T.min(i, L - 1), bh * grp, d], acc)
-        for j in T.serial(1, grp):
-            for i, d in T.Parallel(C, K):
-                frag[i, d] = frag[i, d] + T.cast(part[0, t0 + T.min(i, L - 1), bh * grp + j, d], acc)
-        for i, d in T.Parallel(C, K):
-            if i < L:
-                out[0, t0 + i, bh, d] = frag[i, d]
-
-    @T.macro
     def zero_rows(dst, L, width):
         for i, d in T.Parallel(C, width):
             if i >= L:
                 dst[i, d] = T.cast(0, dtype)
 
-    @T.macro
-    def walk(q, k, do, vres, ag, gc, beta, h, cu_seqlens, chunk_offsets, order, dht, dq_part, dk_part, dv, dg, db,
-             dh0, dq, dk, arrivals):
+    @T.prim_func
+    def gdn_bwd_fused_ws(
+        q: T.Tensor((1, Ttot, H, K), dtype),
+        k: T.Tensor((1, Ttot, H, K), dtype),
+        do: T.Tensor((1, Ttot, HV, V), dtype),
+        vres: T.Tensor((1, Ttot, HV, V), dtype),
+        ag: T.Tensor((1, Ttot, HV, C), dtype),
+        gc: T.Tensor((1, Ttot, HV), acc),
+        beta: T.Tensor((1, Ttot, HV), acc),
+        h: T.Tensor((NC, HV, K, V), dtype),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_offsets: T.Tensor((N1,), "int32"),
+        order: T.Tensor((NS,), "int32"),
+        dht: T.Tensor((NT, HV, K, V), acc),
+        dq_part: T.Tensor((1, Ttot, HV, K), dtype),
+        dk_part: T.Tensor((1, Ttot, HV, K), dtype),
+        dv: T.Tensor((1, Ttot, HV, V), dtype),
+        dg: T.Tensor((1, Ttot, HV), acc),
+        db: T.Tensor((1, Ttot, HV), acc),
+        dh0: T.Tensor((N0, HV, K, V), acc),
+    ):
         with T.Kernel(N1 - 1, HV, threads=3 * WG) as (bn, bhv_block):
             n, bhv = ordered_block(order, bn, bhv_block, N1 - 1, HV)  # longest sequences first
             bh = bhv // grp
@@ -139,8 +136,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             pm_s = T.alloc_shared((C, C), dtype)  # Pm
             dg_s = T.alloc_shared((C,), acc)
             sc_s = T.alloc_shared((2,), acc)
-            # sum_v_heads: how many v-heads of this qk-head had stored the chunk's parts before
-            arrived_s = T.alloc_shared((1,), "int32") if sum_v_heads else None
 
             # state warpgroup
             ds_f = T.alloc_fragment((K, V), acc)
@@ -406,19 +401,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                             db[0, t0 + i, bhv] = T.if_then_else(
                                 b_s[s, i] != T.float32(0), (r_s[1, i] + r_s[0, i]) / b_s[s, i], T.float32(0)
                             )
-                    if sum_v_heads:
-                        # this chunk's parts are stored by every grad thread: count this v-head in;
-                        # the last of the qk-head's v-heads to arrive adds up all their parts
-                        T.call_extern("handle", "__threadfence")
-                        T.sync_threads(SUM_BARRIER, WG)
-                        if tx == WG:
-                            arrived_s[0] = T.atomic_add(arrivals[c_first + c, bh], 1, memory_order="acq_rel",
-                                                        return_prev=True)
-                        T.sync_threads(SUM_BARRIER, WG)
-                        if arrived_s[0] == grp - 1:
-                            T.call_extern("handle", "__threadfence")
-                            sum_parts(acc_f, dq_part, dq, bh, t0, L)
-                            sum_parts(tmp_f, dk_part, dk, bh, t0, L)
             else:
                 # ---------------- loader: one warp ----------------
                 T.set_max_nreg(LOADER_REGS, 0)
@@ -474,62 +456,5 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         T.tma_copy(q[0, t0 : t0 + C, bh, :], q_s, barrier=ready_c)
                         T.tma_copy(k[0, t0 : t0 + C, bh, :], k_s, barrier=ready_c)
                         T.barrier_arrive(ready_c)
-
-    # two signatures: dq, dk and the arrival counts only with sum_v_heads (the default kernel
-    # stays as it was)
-    if sum_v_heads:
-
-        @T.prim_func
-        def gdn_bwd_fused_ws(
-            q: T.Tensor((1, Ttot, H, K), dtype),
-            k: T.Tensor((1, Ttot, H, K), dtype),
-            do: T.Tensor((1, Ttot, HV, V), dtype),
-            vres: T.Tensor((1, Ttot, HV, V), dtype),
-            ag: T.Tensor((1, Ttot, HV, C), dtype),
-            gc: T.Tensor((1, Ttot, HV), acc),
-            beta: T.Tensor((1, Ttot, HV), acc),
-            h: T.Tensor((NC, HV, K, V), dtype),
-            cu_seqlens: T.Tensor((N1,), "int32"),
-            chunk_offsets: T.Tensor((N1,), "int32"),
-            order: T.Tensor((NS,), "int32"),
-            dht: T.Tensor((NT, HV, K, V), acc),
-            dq_part: T.Tensor((1, Ttot, HV, K), dtype),
-            dk_part: T.Tensor((1, Ttot, HV, K), dtype),
-            dv: T.Tensor((1, Ttot, HV, V), dtype),
-            dg: T.Tensor((1, Ttot, HV), acc),
-            db: T.Tensor((1, Ttot, HV), acc),
-            dh0: T.Tensor((N0, HV, K, V), acc),
-            dq: T.Tensor((1, Ttot, H, K), dtype),
-            dk: T.Tensor((1, Ttot, H, K), dtype),
-            arrivals: T.Tensor((NC, H), "int32"),
-        ):
-            walk(q, k, do, vres, ag, gc, beta, h, cu_seqlens, chunk_offsets, order, dht, dq_part, dk_part, dv, dg, db,
-                 dh0, dq, dk, arrivals)
-
-        return gdn_bwd_fused_ws
-
-    @T.prim_func
-    def gdn_bwd_fused_ws(
-        q: T.Tensor((1, Ttot, H, K), dtype),
-        k: T.Tensor((1, Ttot, H, K), dtype),
-        do: T.Tensor((1, Ttot, HV, V), dtype),
-        vres: T.Tensor((1, Ttot, HV, V), dtype),
-        ag: T.Tensor((1, Ttot, HV, C), dtype),
-        gc: T.Tensor((1, Ttot, HV), acc),
-        beta: T.Tensor((1, Ttot, HV), acc),
-        h: T.Tensor((NC, HV, K, V), dtype),
-        cu_seqlens: T.Tensor((N1,), "int32"),
-        chunk_offsets: T.Tensor((N1,), "int32"),
-        order: T.Tensor((NS,), "int32"),
-        dht: T.Tensor((NT, HV, K, V), acc),
-        dq_part: T.Tensor((1, Ttot, HV, K), dtype),
-        dk_part: T.Tensor((1, Ttot, HV, K), dtype),
-        dv: T.Tensor((1, Ttot, HV, V), dtype),
-        dg: T.Tensor((1, Ttot, HV), acc),
-        db: T.Tensor((1, Ttot, HV), acc),
-        dh0: T.Tensor((N0, HV, K, V), acc),
-    ):
-        walk(q, k, do, vres, ag, gc, beta, h, cu_seqlens, chunk_offsets, order, dht, dq_part, dk_part, dv, dg, db,
-             dh0, None, None, None)
 
     return gdn_bwd_fused_ws

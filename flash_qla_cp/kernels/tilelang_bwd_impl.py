@@ -953,15 +953,6 @@ def fused_walk_wanted(n_walks: int, K: int, V: int, sm_count: int, mode: str = N
     return mode == "on" or grid_fills_gpu(n_walks, sm_count)
 
 
-# GVA: the fused walk also writes dq / dk per qk-head, the last v-head of each qk-head to finish a
-# chunk adding up the group's parts (`build_bwd_fused_ws_kernel(sum_v_heads=True)`), instead of
-# the separate sum kernel (0.18 ms of the backward at TP1 1x32k on the H200, bandwidth-bound: it
-# reads the parts back from DRAM). Same sums, bitwise. Off until run on the GPU (lowered,
-# nvcc-built and signature-checked on the CPU). A first form that chained the v-heads by flags
-# (each waiting for the previous) was 1.8x slower (history at 4f5967f).
-FUSED_WALK_SUM_V_HEADS = False
-
-
 def switches(**values):
     """Set this module's kernel switches (FUSED_WALK, SPLIT_H_KERNEL, ...) for the duration of a
     `with` block, then restore them: checks and benchmarks compare variants in one process."""
@@ -976,20 +967,13 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order
 
     _, Ttot, H, K = qf.shape
     HV = dof.shape[2]
-    sum_v_heads = FUSED_WALK_SUM_V_HEADS and HV > H
     kern = compile_kernel(build_bwd_fused_ws_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
-                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0),
-                          **({"sum_v_heads": True} if sum_v_heads else {}))
+                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
     if HV == H:
         kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq, dk, dv, dg, db, dh0)
         return
     dq_part = torch.empty(1, Ttot, HV, K, dtype=qf.dtype, device=qf.device)
     dk_part = torch.empty_like(dq_part)
-    if sum_v_heads:
-        arrivals = torch.zeros(h_st.shape[0], H, dtype=torch.int32, device=qf.device)  # v-heads done per chunk
-        kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq_part, dk_part, dv, dg,
-             db, dh0, dq, dk, arrivals)
-        return
     kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq_part, dk_part, dv, dg, db,
          dh0)
     from .tilelang_v_head_sum import build_v_head_sum_kernel
@@ -1057,8 +1041,4 @@ def lowering_cases():
         cases.append((f"gdn_bwd_fused_ws_k{dim}{'' if states else '_nostate'}", build_bwd_fused_ws_kernel,
                       dict(H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, use_dht=states,
                            store_dh0=states), "gdn_bwd_fused_ws"))
-    # adding up each qk-head's v-heads itself (FUSED_WALK_SUM_V_HEADS)
-    cases.append(("gdn_bwd_fused_ws_k128_sum_v_heads", build_bwd_fused_ws_kernel,
-                  dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", scale=128**-0.5, use_dht=True, store_dh0=True,
-                       sum_v_heads=True), "gdn_bwd_fused_ws"))
     return cases

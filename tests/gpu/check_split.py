@@ -104,8 +104,6 @@ def main():
     for mode in ("on", "off"):  # --fused-walk-on / -off: the fused dh + grad walk always / never
         if f"--fused-walk-{mode}" in sys.argv[1:]:
             tilelang_bwd_impl.FUSED_WALK = mode
-    if "--fused-walk-sum-v-heads" in sys.argv[1:]:  # the fused walk adds up the v-heads itself
-        tilelang_bwd_impl.FUSED_WALK_SUM_V_HEADS = True
     failed = not check_decay_tables()
     cases = [
         # name, lengths, dense, HV, H, D, intra, state_v_first, with_h0

@@ -11,7 +11,5 @@ def specs(sms):
         (2, 4, 128, False, False, "bfloat16"), (2, 4, 128, True, True, "float16"),
         (2, 4, 64, True, True, "bfloat16"), (4, 4, 128, False, False, "bfloat16"),
     )
-    specs = [(build_bwd_fused_ws_kernel, dict(H=H, HV=HV, K=K, V=K, dtype=dt, scale=float(K**-0.5), use_dht=dht,
-                                              store_dh0=dh0)) for H, HV, K, dht, dh0, dt in configs]
-    # the GVA walks once more with sum_v_heads (check_bwd / check_split --fused-walk-sum-v-heads)
-    return specs + [(f, dict(p, sum_v_heads=True)) for f, p in specs if p["HV"] > p["H"]]
+    return [(build_bwd_fused_ws_kernel, dict(H=H, HV=HV, K=K, V=K, dtype=dt, scale=float(K**-0.5), use_dht=dht,
+                                             store_dh0=dh0)) for H, HV, K, dht, dh0, dt in configs]
