@@ -1,0 +1,86 @@
+"""Where the host time of one call goes, launch by launch, for a call timed alone and for calls
+issued back to back. The eager time of a host-bound call depends on the host time before its last
+launch (see benchmarks/NOTES.md, fifteenth session); this prints, per TileLang launch of ours, the
+host microseconds since the call began.
+
+    python benchmarks/host_timeline.py --shape tp8_1x32k --pass fwd
+
+Prints one JSON line per setting: "alone" (one call after a device sync, median of --reps) and
+"loop" (the k-th of --calls calls issued back to back), with the launch offsets, the call's end,
+and do_bench's eager median for the same call. Writes host_timeline.json under --out.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_kernels import build_fns, shape_inputs  # noqa: E402
+
+
+def timeline(fn, marks):
+    """(launch offsets in us, end in us) of one call of fn; marks collects perf_counter stamps."""
+    marks.clear()
+    start = time.perf_counter()
+    fn()
+    end = time.perf_counter()
+    return [round((m - start) * 1e6, 1) for m in marks], round((end - start) * 1e6, 1)
+
+
+def main():
+    import triton.testing
+
+    from flash_qla_cp.kernels import tilelang_common
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="tp8_1x32k")
+    ap.add_argument("--pass", dest="which", default="fwd", choices=("fwd", "fwdbwd"))
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+
+    marks = []
+    launch = tilelang_common.DirectLaunch.__call__
+
+    def stamped(self, *a):
+        marks.append(time.perf_counter())
+        return launch(self, *a)
+
+    q, k, v, g, beta, cu = shape_inputs(args.shape)
+    fwd, fwdbwd = build_fns("ours", q, k, v, g, beta, cu, q.shape[-1] ** -0.5)
+    fn = fwd if args.which == "fwd" else fwdbwd
+    fn()
+    torch.cuda.synchronize()
+    rows = {"shape": args.shape, "pass": args.which,
+            "do_bench_eager_ms": round(triton.testing.do_bench(fn, return_mode="median"), 4)}
+    tilelang_common.DirectLaunch.__call__ = stamped
+    try:
+        alone = []
+        for _ in range(args.reps):
+            torch.cuda.synchronize()
+            alone.append(timeline(fn, marks))
+        ends = [e for _, e in alone]
+        rows["alone"] = alone[ends.index(statistics.median(ends))]
+        torch.cuda.synchronize()
+        loop = [timeline(fn, marks) for _ in range(args.calls)]
+        torch.cuda.synchronize()
+        rows["loop_last"] = loop[-1]
+        rows["loop_median_end_us"] = statistics.median(e for _, e in loop)
+    finally:
+        tilelang_common.DirectLaunch.__call__ = launch
+    print(json.dumps(rows), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "host_timeline.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
