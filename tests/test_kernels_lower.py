@@ -41,4 +41,4 @@ def test_zero_entry_scan_does_not_read_its_entry_states():
         return src[src.index("__launch_bounds__"):]
 
     assert "(s0 +" in kernel_body("split_scan_reverse_bv16_k128")
-    assert "s0" not in kernel_body("split_scan_zero_entry_k128")
+    assert "s0" not in kernel_body("split_scan_reverse_bv16_zero_entry_k128")

@@ -169,7 +169,11 @@ def _split_cases() -> list[KernelCase]:
                                             entry="gdn_decay_tables", expect=("double",)))
                 continue
             is_scan = "reverse" in params
-            tag = (("scan_reverse" if params["reverse"] else "scan") + f"_bv{params['block_v']}") if is_scan else "summary"
+            if is_scan:  # e.g. scan_reverse_bv16, scan_bv32_zero_entry (use_s0 off: the scan enters at zero)
+                tag = (("scan_reverse" if params["reverse"] else "scan") + f"_bv{params['block_v']}"
+                       + ("" if params.get("use_s0", True) else "_zero_entry"))
+            else:
+                tag = "summary"
             cases.append(
                 KernelCase(
                     name=f"split_{tag}_k{dim}",
@@ -179,12 +183,6 @@ def _split_cases() -> list[KernelCase]:
                     expect=("mma",) if is_scan else ("wgmma",),
                 )
             )
-    # the scan entering every sequence at zero (use_s0 off: no zero-filled entry states)
-    from .tilelang_split import build_partition_scan_kernel
-
-    cases.append(KernelCase(name="split_scan_zero_entry_k128", factory=build_partition_scan_kernel,
-                            params=dict(HV=4, K=128, V=128, reverse=True, block_v=16, use_s0=False),
-                            entry="gdn_partition_scan", expect=("mma",)))
     return cases
 
 

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tilelang_common import (CHUNK, compile_kernel, import_tilelang, kernel_operand, switched_globals, tl_dtype,
-                              walk_order)
+from .tilelang_common import CHUNK, compile_kernel, import_tilelang, kernel_operand, tl_dtype, walk_order
 
 LOG2E = 1.4426950408889634
 # Partitions keep at least this many chunks (1k tokens). The auto rule aims at one backward walk
