@@ -177,7 +177,10 @@ def _switched(fn, switches, **values):
 
 
 # bench libraries that run ours with module switches set: [(module, switches)]
+_FWD = "flash_qla_cp.kernels.tilelang_fwd"
 SWITCH_LIBS = {
+    "ours_ws4": [(_FWD, {"FOUR_WARPGROUPS": True, "O_TMA": False})],
+    "ours_otma": [(_FWD, {"FOUR_WARPGROUPS": True, "O_TMA": True})],
     "ours_adapter": [("flash_qla_cp.kernels.tilelang_common", {"DIRECT_LAUNCH": False})],
     "ours_add_pairs": [("flash_qla_cp.kernels.tilelang_bwd_impl", {"FUSED_WALK_ADD_V_HEAD_PAIRS": True})],
 }
@@ -207,7 +210,7 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None, with_train_fwd=Fa
 
         return (fwd, fwdbwd, train_fwd) if with_train_fwd else (fwd, fwdbwd)
 
-    if lib in ("ours", "ours_nosplit", "ours_recompute", "ours_ws4", "ours_otma", *SWITCH_LIBS):
+    if lib in ("ours", "ours_nosplit", "ours_recompute", *SWITCH_LIBS):
         from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
         from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
 
@@ -237,12 +240,6 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None, with_train_fwd=Fa
             for module, switch in SWITCH_LIBS[lib]:
                 switches = importlib.import_module(module).switches
                 out = tuple(_switched(fn, switches, **switch) for fn in out)
-            return out
-        if lib in ("ours_ws4", "ours_otma"):
-            from flash_qla_cp.kernels import tilelang_fwd
-
-            switch = dict(FOUR_WARPGROUPS=True, O_TMA=lib == "ours_otma")
-            return tuple(_switched(fn, tilelang_fwd.switches, **switch) for fn in out)
         return out
 
     if lib == "flashqla":

@@ -41,17 +41,15 @@ def host_ms(fn, busy_cycles, reps=5):
 
 def torch_syncs(fn):
     """Where torch reports a synchronising op during one call (message @ file:line)."""
-    found = []
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             fn()
         # a warning raised in torch's C++ is attributed to the Python line that called the op
-        found = [f"{str(w.message)[:100]} @ {w.filename}:{w.lineno}" for w in caught]
+        return [f"{str(w.message)[:100]} @ {w.filename}:{w.lineno}" for w in caught]
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    return found
 
 
 def main():
