@@ -14,8 +14,6 @@ Libraries (same inputs, same process, same timing method):
             by TMA (tilelang_fwd.O_TMA on; ours's default now, kept for same-run comparisons)
   ours_adapter  the same as ours with kernels launched through TileLang's adapter
             (tilelang_common.DIRECT_LAUNCH off: ~4-6 us more host time per launch)
-  ours_add_pairs  the same as ours with the fused backward walk's two v-heads per qk-head adding
-            into dq / dk atomically (tilelang_bwd_impl.FUSED_WALK_ADD_V_HEAD_PAIRS on: no sum kernel)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
@@ -182,7 +180,6 @@ SWITCH_LIBS = {
     "ours_ws4": [(_FWD, {"FOUR_WARPGROUPS": True, "O_TMA": False})],
     "ours_otma": [(_FWD, {"FOUR_WARPGROUPS": True, "O_TMA": True})],
     "ours_adapter": [("flash_qla_cp.kernels.tilelang_common", {"DIRECT_LAUNCH": False})],
-    "ours_add_pairs": [("flash_qla_cp.kernels.tilelang_bwd_impl", {"FUSED_WALK_ADD_V_HEAD_PAIRS": True})],
 }
 
 

@@ -112,16 +112,15 @@ def test_unsplit_varlen_call_needs_no_fill():
     assert fills == 0
 
 
-@pytest.mark.parametrize("with_states,add_pairs", [(True, False), (False, True)])
-def test_every_launch_matches_its_kernel_signature(with_states, add_pairs):
+@pytest.mark.parametrize("with_states", [True, False])
+def test_every_launch_matches_its_kernel_signature(with_states):
     """Each recorded launch of a split fwd+bwd (with or without an initial state and a
     final-state gradient) passes one argument per PrimFunc parameter, tensors of the buffer's
     rank and dtype: the plumbing between the host code and the kernels, checked without a GPU."""
     h0 = torch.zeros(1, 4, 128, 128) if with_states else None
     call = fwd_bwd(*inputs(32768, 2, 4), h0=h0, with_dht=with_states)
-    with mock.patch.object(tilelang_bwd_impl, "FUSED_WALK_ADD_V_HEAD_PAIRS", add_pairs):
-        _, launches, _ = run_recorded(call)
-    assert len(launches.calls) == (8 if add_pairs else 9)  # the v-head pairs add up: no sum kernel
+    _, launches, _ = run_recorded(call)
+    assert len(launches.calls) == 9
     scans = [params for factory, params, _ in launches.calls if factory.__name__ == "build_partition_scan_kernel"]
     assert [p.get("use_s0", True) for p in scans] == [with_states, with_states]
     for factory, params, args in launches.calls:
@@ -134,28 +133,6 @@ def test_every_launch_matches_its_kernel_signature(with_states, add_pairs):
             assert torch.is_tensor(arg), (factory.__name__, var.name)
             assert arg.dim() == len(buf.shape), (factory.__name__, buf.name, arg.shape)
             assert str(arg.dtype).replace("torch.", "") == str(buf.dtype), (factory.__name__, buf.name, arg.dtype)
-
-
-def test_walk_adding_v_head_pairs_writes_dq_dk_itself():
-    """With FUSED_WALK_ADD_V_HEAD_PAIRS (two v-heads per qk-head) the fused walk gets dq / dk per
-    qk-head, zero-filled, to add into; the separate v-head sum kernel is not launched."""
-    with mock.patch.object(tilelang_bwd_impl, "FUSED_WALK_ADD_V_HEAD_PAIRS", True):
-        grads, launches, fills = run_recorded(fwd_bwd(*inputs(20101, 16, 32), cu=VARLEN_CU))
-    assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_ws4_kernel", "build_bwd_fused_ws_kernel"]
-    _, params, args = launches.calls[-1]
-    assert params["add_v_head_pairs"] is True
-    dq, dk = args[12], args[13]
-    assert dq.data_ptr() == grads[0].data_ptr() and dk.data_ptr() == grads[1].data_ptr()
-    assert dq.shape[2] == dk.shape[2] == 16 and fills == 2
-
-
-def test_v_head_pairs_only_for_two_v_heads_per_qk_head():
-    """Atomic adds of three or more v-heads would be order-dependent: with four v-heads per
-    qk-head the walk keeps its per-v-head parts and the sum kernel runs."""
-    with mock.patch.object(tilelang_bwd_impl, "FUSED_WALK_ADD_V_HEAD_PAIRS", True):
-        _, launches, _ = run_recorded(fwd_bwd(*inputs(20101, 8, 32), cu=VARLEN_CU))
-    assert launches.names()[-2:] == ["build_bwd_fused_ws_kernel", "build_v_head_sum_kernel"]
-    assert "add_v_head_pairs" not in launches.calls[-2][1]
 
 
 def test_direct_launch_calls_the_compiled_module_entry_once_looked_up():

@@ -34,8 +34,7 @@ fp32; h [NC,HV,K,V] dtype (state entering each chunk); cu_seqlens, chunk_offsets
 order [N] int32 (the sequences in the order their blocks start, `tilelang_common.walk_order`);
 dht [NT,HV,K,V] fp32 (gradient of each sequence's final state; read when use_dht); outputs
 dq_part, dk_part [1,T,HV,K] dtype (per v-head: summed over each qk-head's v-heads afterwards,
-`_fused_walk` in tilelang_bwd_impl.py; with HV == H they are dq and dk; with add_v_head_pairs
-dq and dk [1,T,H,K] that the v-heads add into), dv [1,T,HV,V] dtype,
+`_fused_walk` in tilelang_bwd_impl.py; with HV == H they are dq and dk), dv [1,T,HV,V] dtype,
 dg, db [1,T,HV] fp32 (dg already reverse-cumsummed inside the chunk), dh0 [N0,HV,K,V] fp32
 (written when store_dh0). Padding rows of a partial chunk carry q = k = v = 0 and beta = 0.
 """
@@ -46,16 +45,8 @@ LOG2E = 1.4426950408889634
 
 
 def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
-                              store_dh0: bool, add_v_head_pairs: bool = False):
-    """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; see the module docstring).
-
-    add_v_head_pairs (GVA with two v-heads per qk-head): dq_part / dk_part are dq and dk
-    themselves, [1, T, H, K], zero on entry, and each v-head adds its part into them with atomic
-    adds (fire-and-forget reductions in L2: nothing waits on them). Still deterministic: each
-    element receives exactly two adds onto 0, and 0 + a + b = 0 + b + a in floating point
-    (one rounding, of a + b, whichever lands first). Three or more v-heads would make the
-    result order-dependent, so the build refuses them.
-    """
+                              store_dh0: bool):
+    """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; see the module docstring)."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -63,8 +54,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
     grp = HV // H
     scale = float(scale)
     assert HV % H == 0 and K % 32 == 0 and V % 16 == 0 and K <= 128 and V <= 128
-    assert not add_v_head_pairs or grp == 2, "atomic adds of more than two v-heads are not deterministic"
-    PART_HEADS = H if add_v_head_pairs else HV  # heads of dq_part / dk_part
     WG = 128
     # registers per thread (setmaxnreg; 128 x (state + grad + loader) <= 64K)
     STATE_REGS, GRAD_REGS, LOADER_REGS = 256, 224, 24
@@ -87,16 +76,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
         T.copy(row, r_s[slot, :])
 
     @T.macro
-    def store_part(part, frag, t0, L, bhv, bh):
-        # this v-head's dq or dk rows: stored, or added into the qk-head's (add_v_head_pairs)
-        for i, d in T.Parallel(C, K):
-            if i < L:
-                if add_v_head_pairs:
-                    T.atomic_add(part[0, t0 + i, bh, d], frag[i, d])
-                else:
-                    part[0, t0 + i, bhv, d] = frag[i, d]
-
-    @T.macro
     def zero_rows(dst, L, width):
         for i, d in T.Parallel(C, width):
             if i >= L:
@@ -116,8 +95,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
         chunk_offsets: T.Tensor((N1,), "int32"),
         order: T.Tensor((NS,), "int32"),
         dht: T.Tensor((NT, HV, K, V), acc),
-        dq_part: T.Tensor((1, Ttot, PART_HEADS, K), dtype),
-        dk_part: T.Tensor((1, Ttot, PART_HEADS, K), dtype),
+        dq_part: T.Tensor((1, Ttot, HV, K), dtype),
+        dk_part: T.Tensor((1, Ttot, HV, K), dtype),
         dv: T.Tensor((1, Ttot, HV, V), dtype),
         dg: T.Tensor((1, Ttot, HV), acc),
         db: T.Tensor((1, Ttot, HV), acc),
@@ -358,7 +337,9 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.reduce_sum(tmp_f, row_f, dim=1)
                     T.copy(row_f, r_s[5, :])
                     T.gemm(pm_s, k_s, acc_f)
-                    store_part(dq_part, acc_f, t0, L, bhv, bh)
+                    for i, d in T.Parallel(C, K):
+                        if i < L:
+                            dq_part[0, t0 + i, bhv, d] = acc_f[i, d]
                     # dk = Pm^T q + diag(exp(GL - G)) v_new dS'^T + X k + X^T k - E t S^T
                     T.gemm(pm_s, q_s, acc_f, transpose_A=True, clear_accum=True)
                     T.barrier_wait(ds_ready, ph)
@@ -397,7 +378,9 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
                     T.reduce_sum(tmp_f, row_f, dim=1)
                     T.copy(row_f, r_s[6, :])
-                    store_part(dk_part, acc_f, t0, L, bhv, bh)
+                    for i, d in T.Parallel(C, K):
+                        if i < L:
+                            dk_part[0, t0 + i, bhv, d] = acc_f[i, d]
                     T.barrier_arrive(free_c)
                     # dG (reverse cumsum inside the chunk) and dbeta
                     for i in T.Parallel(C):

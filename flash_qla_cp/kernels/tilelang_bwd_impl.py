@@ -953,15 +953,6 @@ def fused_walk_wanted(n_walks: int, K: int, V: int, sm_count: int, mode: str = N
     return mode == "on" or grid_fills_gpu(n_walks, sm_count)
 
 
-# GVA with two v-heads per qk-head (Qwen3-Next at TP1 and TP8): the fused walk adds each
-# v-head's dq / dk part straight into the zeroed dq / dk with atomic adds
-# (`build_bwd_fused_ws_kernel(add_v_head_pairs=True)`; deterministic for exactly two addends),
-# instead of storing the parts for the separate sum kernel (0.18 ms of the backward at TP1
-# 1x32k on the H200, reading 0.54 GB of parts back). Off until run on the GPU (lowered,
-# nvcc-built with the default kernel's spills, signature-checked on the CPU).
-FUSED_WALK_ADD_V_HEAD_PAIRS = False
-
-
 def switches(**values):
     """Set this module's kernel switches (FUSED_WALK, SPLIT_H_KERNEL, ...) for the duration of a
     `with` block, then restore them: checks and benchmarks compare variants in one process."""
@@ -976,14 +967,9 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order
 
     _, Ttot, H, K = qf.shape
     HV = dof.shape[2]
-    add_pairs = FUSED_WALK_ADD_V_HEAD_PAIRS and HV == 2 * H
     kern = compile_kernel(build_bwd_fused_ws_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
-                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0),
-                          **({"add_v_head_pairs": True} if add_pairs else {}))
-    if HV == H or add_pairs:
-        if add_pairs:  # the two v-heads of each qk-head add into these
-            dq.zero_()
-            dk.zero_()
+                          scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
+    if HV == H:
         kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq, dk, dv, dg, db, dh0)
         return
     dq_part = torch.empty(1, Ttot, HV, K, dtype=qf.dtype, device=qf.device)
@@ -1055,8 +1041,4 @@ def lowering_cases():
         cases.append((f"gdn_bwd_fused_ws_k{dim}{'' if states else '_nostate'}", build_bwd_fused_ws_kernel,
                       dict(H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, use_dht=states,
                            store_dh0=states), "gdn_bwd_fused_ws"))
-    # two v-heads per qk-head adding into dq / dk (FUSED_WALK_ADD_V_HEAD_PAIRS)
-    cases.append(("gdn_bwd_fused_ws_k128_add_v_head_pairs", build_bwd_fused_ws_kernel,
-                  dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", scale=128**-0.5, use_dht=True, store_dh0=True,
-                       add_v_head_pairs=True), "gdn_bwd_fused_ws"))
     return cases

@@ -326,11 +326,7 @@ def main():
     ap.add_argument("--fused-walk", default=None, choices=("auto", "on", "off"),
                     help="dh walk + grad kernel as one fused walk: where it fills the GPU, always, never")
     ap.add_argument("--cases", default=None, help="comma-separated case names: run only those")
-    ap.add_argument("--fused-walk-add-v-head-pairs", action="store_true",
-                    help="tilelang_bwd_impl.FUSED_WALK_ADD_V_HEAD_PAIRS on: v-head pairs add into dq / dk atomically")
     args = ap.parse_args()
-    if args.fused_walk_add_v_head_pairs:
-        bwd.FUSED_WALK_ADD_V_HEAD_PAIRS = True
     if args.dh_kernel:
         bwd.DEFAULT_DH_KERNEL = args.dh_kernel
     if args.h_kernel:

@@ -104,8 +104,6 @@ def main():
     for mode in ("on", "off"):  # --fused-walk-on / -off: the fused dh + grad walk always / never
         if f"--fused-walk-{mode}" in sys.argv[1:]:
             tilelang_bwd_impl.FUSED_WALK = mode
-    if "--fused-walk-add-v-head-pairs" in sys.argv[1:]:  # v-head pairs add into dq / dk atomically
-        tilelang_bwd_impl.FUSED_WALK_ADD_V_HEAD_PAIRS = True
     failed = not check_decay_tables()
     cases = [
         # name, lengths, dense, HV, H, D, intra, state_v_first, with_h0

@@ -3,7 +3,7 @@ with a tilelang_bwd_impl switch off and on (twice on), and reports per gradient 
 differ, in which rows of their chunk, the largest difference, and whether the two runs with the
 switch on agree bitwise.
 
-    python tests/gpu/compare_bwd_switch.py --switch FUSED_WALK_ADD_V_HEAD_PAIRS [--out DIR]
+    python tests/gpu/compare_bwd_switch.py --switch POISON_BUFFERS [--out DIR]   (poisoned scratch buffers must change nothing)
 
 Cases: GVA with two v-heads per qk-head, varlen with odd lengths (fused walk forced on) and 4 x 2k
 on 16 / 32 heads (the fused walk by default). Writes compare_bwd_switch.json under --out.

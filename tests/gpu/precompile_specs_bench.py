@@ -6,8 +6,8 @@ stubbed out and each requested kernel recorded. No GPU and no compilation happen
     python tests/gpu/precompile_cache.py tests/gpu/precompile_specs_bench.py
 
 BENCH_SPEC_SHAPES (comma-separated shape names) narrows the shapes, BENCH_SPEC_NOSPLIT=1 adds
-the unsplit forward (the bench's `ours_nosplit`), BENCH_SPEC_ADD_PAIRS=1 the walks of
-`ours_add_pairs`; the kernel switches of the current checkout apply, so run it on the branch whose kernels the device call needs.
+the unsplit forward (the bench's `ours_nosplit`); the kernel switches of the current checkout
+apply, so run it on the branch whose kernels the device call needs.
 """
 
 import os
@@ -71,11 +71,8 @@ def shape_specs(name, sms, found):
                 q, k, v, g, beta, scale, None, final, cu, partitions=parts, cu_seqlens_host=cu_host,
                 save_states=keep)
             if not final:  # the bench's forward (final states) has no backward
-                add_runs = (False, True) if os.environ.get("BENCH_SPEC_ADD_PAIRS") == "1" and keep else (False,)
-                for add_pairs in add_runs:  # the second for ours_add_pairs
-                    with tilelang_bwd_impl.switches(FUSED_WALK_ADD_V_HEAD_PAIRS=add_pairs):
-                        tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
-                            torch.zeros_like(o), None, q, k, v, g, beta, scale, None, cu, saved)
+                tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
+                    torch.zeros_like(o), None, q, k, v, g, beta, scale, None, cu, saved)
 
 
 def specs(sms):

@@ -11,8 +11,5 @@ def specs(sms):
         (2, 4, 128, False, False, "bfloat16"), (2, 4, 128, True, True, "float16"),
         (2, 4, 64, True, True, "bfloat16"), (4, 4, 128, False, False, "bfloat16"),
     )
-    specs = [(build_bwd_fused_ws_kernel, dict(H=H, HV=HV, K=K, V=K, dtype=dt, scale=float(K**-0.5), use_dht=dht,
-                                              store_dh0=dh0)) for H, HV, K, dht, dh0, dt in configs]
-    # the walks with two v-heads per qk-head once more adding into dq / dk
-    # (check_bwd / check_split --fused-walk-add-v-head-pairs)
-    return specs + [(f, dict(p, add_v_head_pairs=True)) for f, p in specs if p["HV"] == 2 * p["H"]]
+    return [(build_bwd_fused_ws_kernel, dict(H=H, HV=HV, K=K, V=K, dtype=dt, scale=float(K**-0.5), use_dht=dht,
+                                             store_dh0=dh0)) for H, HV, K, dht, dh0, dt in configs]
