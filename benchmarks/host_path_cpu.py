@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernels import SHAPES  # noqa: E402
 
 from flash_qla_cp import backends  # noqa: E402
-from flash_qla_cp.kernels import tilelang_bwd_impl, tilelang_fwd, tilelang_split  # noqa: E402
+from flash_qla_cp.kernels import tilelang_bwd_impl, tilelang_common, tilelang_fwd, tilelang_split  # noqa: E402
 from flash_qla_cp.ops import chunk_gated_delta_rule  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def main():
             mock.patch.object(tilelang_fwd, "compile_kernel", compile_stub), \
             mock.patch.object(tilelang_bwd_impl, "compile_kernel", compile_stub), \
             mock.patch.object(tilelang_split, "compile_kernel", compile_stub), \
-            mock.patch.object(tilelang_fwd, "_sm_count", lambda device: 132):
+            mock.patch.object(tilelang_common, "sm_count", lambda device: 132):
         for _ in range(20):
             fn()
         timelines = []

@@ -8,9 +8,14 @@ host microseconds since the call began.
 Prints one JSON line per setting: "alone" (one call after a device sync, median of --reps) and
 "loop" (the k-th of --calls calls issued back to back), with the launch offsets, the call's end,
 and do_bench's eager median for the same call. Writes host_timeline.json under --out.
+--profile adds a cProfile of --profile-calls calls (the functions with the most own time; torch's
+C++ entry points show up as builtins) to the JSON as "profile".
 """
 
 import argparse
+import cProfile
+import io
+import pstats
 import json
 import os
 import statistics
@@ -34,6 +39,28 @@ def timeline(fn, marks):
     return [round((m - start) * 1e6, 1) for m in marks], round((end - start) * 1e6, 1)
 
 
+def profile_calls(fn, calls, top=40):
+    """Lines of a cProfile report of `calls` calls of fn (syncing every 20 so that the launch
+    queue never fills), sorted by own time, per-call microseconds in the last columns."""
+    prof = cProfile.Profile()
+    for i in range(calls):
+        if i % 20 == 0:
+            torch.cuda.synchronize()
+        prof.enable()
+        fn()
+        prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, name), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
+        rows.append((tottime, ncalls, cumtime, f"{os.path.basename(path)}:{line}({name})"))
+    rows.sort(reverse=True)
+    out = [f"{'own us/call':>11} {'cum us/call':>11} {'n/call':>6}  function"]
+    for tottime, ncalls, cumtime, where in rows[:top]:
+        out.append(f"{tottime / calls * 1e6:11.1f} {cumtime / calls * 1e6:11.1f} {ncalls / calls:6.1f}  {where}")
+    return out
+
+
 def main():
     import triton.testing
 
@@ -44,6 +71,8 @@ def main():
     ap.add_argument("--pass", dest="which", default="fwd", choices=("fwd", "fwdbwd"))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-calls", type=int, default=500)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
 
@@ -76,7 +105,11 @@ def main():
         rows["loop_median_end_us"] = statistics.median(e for _, e in loop)
     finally:
         tilelang_common.DirectLaunch.__call__ = launch
-    print(json.dumps(rows), flush=True)
+    if args.profile:
+        rows["profile"] = profile_calls(fn, args.profile_calls)
+    print(json.dumps({k: v for k, v in rows.items() if k != "profile"}), flush=True)
+    for line in rows.get("profile", []):
+        print(line)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "host_timeline.json"), "w") as f:
         json.dump(rows, f, indent=1)

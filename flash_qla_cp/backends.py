@@ -25,11 +25,22 @@ def tilelang_importable() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple:
+    """(major, minor) of a CUDA device, asked once per device: torch's query costs ~10-20 us of
+    host time per call, paid on every op call before."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def tilelang_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the TileLang kernels cannot run these inputs, or None if they can."""
     if not q.is_cuda:
         return f"inputs are on {q.device}; the TileLang kernels need a CUDA tensor"
-    major, minor = torch.cuda.get_device_capability(q.device)
+    major, minor = device_capability(q.device)
     if (major, minor) != (9, 0):
         return f"the TileLang kernels are built for Hopper (sm_90); this GPU is sm_{major}{minor}"
     if q.dtype not in (torch.bfloat16, torch.float16) or v.dtype != q.dtype:

@@ -233,6 +233,7 @@ def chunk_gated_delta_rule(
                                  use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, backend, intra_cp)
         if split is not None:
             return split
+    needs_backward = backward_will_run(q, k, v, g, beta, initial_state)
     options = dict(
         scale=scale,
         output_final_state=output_final_state,
@@ -242,8 +243,11 @@ def chunk_gated_delta_rule(
         backend=backend,
         intra_cp=intra_cp,
         cu_seqlens_cpu=cu_seqlens_cpu,
-        save_states=bool(save_states) and backward_will_run(q, k, v, g, beta, initial_state),
+        save_states=bool(save_states) and needs_backward,
     )
+    if not needs_backward:  # nothing to record: the forward alone, without autograd.Function's host cost
+        o, final_state, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=initial_state, **options)
+        return o, final_state
     return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, options)
 
 

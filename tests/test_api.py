@@ -106,6 +106,30 @@ def test_states_are_kept_only_when_a_backward_will_run(save_states_requests):
     assert asked[-1] is False
 
 
+def test_forward_only_calls_skip_autograd_function(monkeypatch):
+    # with nothing to record (no_grad, or no input needing a gradient) the op runs the forward
+    # directly: autograd.Function's bookkeeping is host time a forward-only call would pay for
+    # nothing. The results are those of the recorded path.
+    from flash_qla_cp import ops
+
+    x = _inputs(7, seq_len=70, num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=8)
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+    o_rec, ht_rec = chunk_gated_delta_rule(**leaves, output_final_state=True)
+
+    def refuse(*args):
+        raise AssertionError("autograd.Function used by a forward-only call")
+
+    monkeypatch.setattr(ops._ChunkGatedDeltaRule, "apply", refuse)
+    with torch.no_grad():
+        o_ng, ht_ng = chunk_gated_delta_rule(**leaves, output_final_state=True)
+    o_plain, ht_plain = chunk_gated_delta_rule(**x, output_final_state=True)
+    for o, ht in ((o_ng, ht_ng), (o_plain, ht_plain)):
+        assert not o.requires_grad and not ht.requires_grad
+        assert torch.equal(o, o_rec.detach()) and torch.equal(ht, ht_rec.detach())
+    with pytest.raises(AssertionError, match="forward-only"):  # a call that needs a backward still records
+        chunk_gated_delta_rule(**leaves)
+
+
 def test_l2norm_option_equals_normalising_first():
     x = _inputs(4, seq_len=65, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
     raw = dict(x, q=x["q"] * 3.0, k=x["k"] * 0.5)

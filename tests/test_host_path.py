@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("tilelang")
 
-from flash_qla_cp.kernels import tilelang_bwd_impl, tilelang_fwd, tilelang_split  # noqa: E402
+from flash_qla_cp.kernels import tilelang_bwd_impl, tilelang_common, tilelang_fwd, tilelang_split  # noqa: E402
 
 SMS = 132  # an H200
 
@@ -38,7 +38,7 @@ def run_recorded(fn):
     with mock.patch.object(tilelang_fwd, "compile_kernel", launches.compile_kernel), \
             mock.patch.object(tilelang_bwd_impl, "compile_kernel", launches.compile_kernel), \
             mock.patch.object(tilelang_split, "compile_kernel", launches.compile_kernel), \
-            mock.patch.object(tilelang_fwd, "_sm_count", lambda device: SMS):
+            mock.patch.object(tilelang_common, "sm_count", lambda device: SMS):
         fn()
         launches.calls.clear()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

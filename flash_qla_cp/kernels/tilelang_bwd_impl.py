@@ -53,6 +53,7 @@ No atomics anywhere: the result is bitwise deterministic.
 
 import torch
 
+from . import tilelang_common
 from .tilelang_common import (CHUNK, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang, kernel_operand,
                               ordered_block, state_kv_layout, switched_globals, tl_dtype, walk_order)
 from .tilelang_common import chunk_offsets as chunk_offsets_of
@@ -852,9 +853,7 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     use_h0 = user_h0 or split is not None
     if h_kernel is None and split is not None:
         h_kernel = SPLIT_H_KERNEL
-    from .tilelang_fwd import _sm_count
-
-    sms = _sm_count(dev)
+    sms = tilelang_common.sm_count(dev)
     if block_v is None and split is not None and V % 64 == 0:
         # (measurement pending) partitions multiply the grid: 64-wide tiles while it still
         # fills the GPU, as in the forward's default_fused_config

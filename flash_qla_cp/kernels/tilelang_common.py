@@ -50,6 +50,18 @@ def tilelang_available() -> bool:
     return True
 
 
+_SM_COUNTS: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (asked once per device; grids are sized by it)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNTS.get(idx)
+    if count is None:
+        count = _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return count
+
+
 def import_tilelang():
     """(tilelang, tilelang.language) imported on demand."""
     import tilelang

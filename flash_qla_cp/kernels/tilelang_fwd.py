@@ -58,12 +58,15 @@ parameters. Nothing is compiled or queried at import time.
 
 
 
+import functools
 import math
 
 import torch
 
+from . import tilelang_common
 from .tilelang_common import (CHUNK, chunk_offsets, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang,
                               kernel_operand, ordered_block, state_kv_layout, switched_globals, tl_dtype, walk_order)
+from .tilelang_split import decay_tables, plan_split, scan_partitions, state_summaries
 
 LOG2E = 1.4426950408889634
 
@@ -524,16 +527,6 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
 # ----------------------------------------------------------------------------------------
 # Python entry points
 # ----------------------------------------------------------------------------------------
-_SM_COUNTS = {}
-
-
-def _sm_count(device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNTS:
-        _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNTS[idx]
-
-
 def _check_inputs(q, k, v, g, beta, cu_seqlens):
     assert q.dtype in (torch.bfloat16, torch.float16), "q/k/v must be bf16 or fp16"
     assert q.dtype == k.dtype == v.dtype
@@ -598,6 +591,16 @@ def fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, st
     `tilelang_fwd_ws4.build_fused_fwd_ws4_kernel` (the state chain over two warpgroups, for
     block_v 128, and its `o_tma`); `store_states` applies to both.
     """
+    specs = _fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, store_final_state,
+                              state_v_first, block_v, tuple(sorted(fused_opts.items())))
+    return [(factory, dict(params)) for factory, params in specs]
+
+
+@functools.lru_cache(maxsize=1024)
+def _fwd_kernel_specs(H, HV, K, V, dtype, scale, is_varlen, use_initial_state, store_final_state,
+                      state_v_first, block_v, fused_opts: tuple):
+    # cached: every forward call asks for the same few specs (~10 us of host time each time)
+    fused_opts = dict(fused_opts)
     if block_v is None:
         block_v = 64 if V % 64 == 0 else V
     dtype = tl_dtype(dtype)
@@ -694,14 +697,12 @@ def tilelang_chunk_gated_delta_rule_fwd(
 
     seq_tab, seq_offsets, seq_order, plan = None, None, None, None
     if partitions not in (None, "off", 1) and Tn > 0 and N > 0:
-        from .tilelang_split import plan_split
-
         if varlen:  # the one read-back of cu_seqlens (none when the caller passes a CPU copy)
             cu_host = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.cpu()
             cu_host = cu_host.tolist() if torch.is_tensor(cu_host) else cu_host
         else:
             cu_host = [b * Tn for b in range(B + 1)]
-        plan = plan_split(cu_host, HV, V, partitions, _sm_count(q.device))
+        plan = plan_split(cu_host, HV, V, partitions, tilelang_common.sm_count(q.device))
         if varlen:
             tabs = plan.device_tensors(q.device)  # built from the host offsets, cached with the plan
             seq_tab, seq_offsets, seq_order = tabs["seq_chunk_table"], tabs["seq_chunk_offsets"], tabs["seq_order"]
@@ -723,7 +724,7 @@ def tilelang_chunk_gated_delta_rule_fwd(
     if block_v is not None:
         cfg["block_v"] = int(block_v)
     if "block_v" not in cfg:  # the fused kernel's grid runs over partitions when split
-        cfg.update(default_fused_config(plan.num_parts if plan else N, HV, V, _sm_count(q.device), K=K))
+        cfg.update(default_fused_config(plan.num_parts if plan else N, HV, V, tilelang_common.sm_count(q.device), K=K))
     saved["partitions"] = plan.num_parts if plan is not None else N
     if save_states and cfg.get("warp_specialized", False):
         cfg["store_states"] = True
@@ -781,13 +782,12 @@ def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state,
     kernel: (h, M) per partition, GPU scan for each partition's incoming state, then the fused
     kernel (tiles `cfg`) over the partitions. Returns (o, final state or None, saved["split"]);
     with cfg["store_states"] the chunk states go to `saved` (`_state_outputs`)."""
-    from .tilelang_split import decay_tables, scan_partitions, state_summaries
-
     B, Tn, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
     N = len(plan.seq_parts) - 1
-    qf, kf, vf, agf, gf = (x.reshape(1, B * Tn, *x.shape[2:]) for x in (q, k, v, ag, g_cum))
+    # packed [1, B*T, ...] (B == 1 inputs already are: no reshape, each costs host time)
+    qf, kf, vf, agf, gf = (x.reshape(1, B * Tn, *x.shape[2:]) if B > 1 else x for x in (q, k, v, ag, g_cum))
 
     idx = plan.device_tensors(dev)
     starts, dh_walk = decay_tables(gf, plan)
@@ -807,7 +807,10 @@ def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state,
     if cfg.get("store_states"):
         states = (*_state_outputs(saved, int(idx["part_chunk_table"].shape[0]), vf, K), idx["part_chunk_offsets"])
     kern(qf, kf, vf, agf, gf, idx["part_cu"], idx["part_order"], s_in, o, ht, *states)
-    final = state_kv_layout(ht.index_select(0, idx["last_parts"]), state_v_first) if output_final_state else None
+    final = None
+    if output_final_state:  # each sequence's last partition; one sequence: a slice, no gather launch
+        last = ht[plan.num_parts - 1:] if N == 1 else ht.index_select(0, idx["last_parts"])
+        final = state_kv_layout(last, state_v_first)
     split = {
         "part_cu": idx["part_cu"],
         "part_chunk_table": idx["part_chunk_table"],
@@ -819,4 +822,4 @@ def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state,
         "M": m_part,
         "dh_walk_chunks": dh_walk,
     }
-    return o.reshape(B, Tn, HV, V), final, split
+    return (o.reshape(B, Tn, HV, V) if B > 1 else o), final, split

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import tilelang_common
 from .tilelang_common import CHUNK, compile_kernel, import_tilelang, kernel_operand, tl_dtype, walk_order
 
 LOG2E = 1.4426950408889634
@@ -533,7 +534,7 @@ def decay_tables(gcum: torch.Tensor, plan: SplitPlan):
     `dh_warmup_chunks` compute, in one kernel launch. gcum [1, T, HV] fp32 on the GPU."""
     HV = gcum.shape[-1]
     starts = torch.empty(plan.num_parts, HV, dtype=torch.int32, device=gcum.device)
-    walk = torch.empty_like(starts)
+    walk = torch.empty(plan.num_parts, HV, dtype=torch.int32, device=gcum.device)
     kern = compile_kernel(build_decay_tables_kernel, HV=HV)
     kern(kernel_operand(gcum), plan.device_tensors(gcum.device)["part_cu"], starts, walk)
     return starts, walk
@@ -572,8 +573,6 @@ def scan_partitions(m, add, seq_parts_dev, s0, reverse: bool, num_seqs: int = No
     fp32, or None for zero (then num_seqs gives N): the kernel starts from zero itself (use_s0
     off) instead of reading a zero-filled tensor, one fill launch less per scan (H200, TP8 1x32k
     eager fwd+bwd 1.389 -> 1.314 ms with both scans so, results/bench_kernels_h200_2026-12-04_switches.md)."""
-    from .tilelang_fwd import _sm_count
-
     NP, HV, K, _ = m.shape
     V = add.shape[-1]
     add = kernel_operand(add)
@@ -581,7 +580,7 @@ def scan_partitions(m, add, seq_parts_dev, s0, reverse: bool, num_seqs: int = No
     n_seqs = s0.shape[0] if use_s0 else num_seqs
     out = torch.empty(NP, HV, K, V, dtype=torch.float32, device=m.device)
     kern = compile_kernel(build_partition_scan_kernel, HV=HV, K=K, V=V, reverse=bool(reverse),
-                          block_v=scan_block_v(V, n_seqs, HV, _sm_count(m.device)),
+                          block_v=scan_block_v(V, n_seqs, HV, tilelang_common.sm_count(m.device)),
                           **({} if use_s0 else {"use_s0": False}))
     # without use_s0 the s0 argument is a placeholder of the right rank (not read)
     kern(kernel_operand(m), add, seq_parts_dev, kernel_operand(s0) if use_s0 else add[:1], out)

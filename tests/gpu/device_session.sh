@@ -9,7 +9,7 @@
 #   or the kernels.jsonl a call returns: the kernels it used)
 #
 # Phases: check_fwd check_bwd check_walk check_split check_cp bench ncu tune_fwd trace_fwd tune_split profile long_seq
-# launch_paths (SHAPE) host_overhead sync_probe (SHAPES, LIBS). SHAPES / LIBS narrow the
+# launch_paths (SHAPE) host_overhead sync_probe (SHAPES, LIBS) host_timeline (SHAPE, PASSES, TIMELINE_ARGS e.g. --profile). SHAPES / LIBS narrow the
 # benchmark (GRAPHS=1 adds CUDA-graph replay timings, also to tune_split; BENCH_NAME names its output folder; SHAPES / PARTS / FWD_BV / SPLIT_H the split sweep);
 # NCU_KERNEL / SHAPE / NCU_LIB / NCU_NAME / NCU_ARGS (e.g. --fwd-only) the ncu phase's kernel, shape, library (ours, flashqla) and file names; PROFILE_LIB the
 # profile phase's library; CP_CHECKS the CP checks (intra, inter); CHECK_FWD_ARGS check_fwd.py's options (default "--quick");
@@ -61,6 +61,10 @@ for phase in "$@"; do
                     ${SHAPE:+--shape "$SHAPE"} 2>&1 | grep -v TileLang | tail -20 | cut -c1-400 ;;
     host_overhead) timeout "${BENCH_TIMEOUT:-300}" python benchmarks/host_overhead.py --out "$OUT/host_overhead" \
                      ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-300 ;;
+    host_timeline) for pass in ${PASSES:-fwd fwdbwd}; do
+        timeout "${BENCH_TIMEOUT:-300}" python benchmarks/host_timeline.py --out "$OUT/host_timeline_$pass" --pass "$pass" \
+          ${SHAPE:+--shape "$SHAPE"} ${TIMELINE_ARGS:-} 2>&1 | grep -v TileLang | tail -45 | cut -c1-300
+      done ;;
     sync_probe) timeout "${BENCH_TIMEOUT:-300}" python benchmarks/sync_probe.py --out "$OUT/sync_probe" \
                   ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-900 ;;
     long_seq)

@@ -49,7 +49,7 @@ def _inputs(name):
 def shape_specs(name, sms, found):
     """Record into `found` (cache key -> (factory, params)) the kernels of one bench shape's
     forward and fwd+bwd."""
-    from flash_qla_cp.kernels import tilelang_bwd_impl, tilelang_fwd, tilelang_split
+    from flash_qla_cp.kernels import tilelang_bwd_impl, tilelang_common, tilelang_fwd, tilelang_split
 
     fake = _record_into(found)
     q, k, v, g, beta, cu = _inputs(name)
@@ -58,8 +58,7 @@ def shape_specs(name, sms, found):
     with mock.patch.object(tilelang_fwd, "compile_kernel", fake), \
             mock.patch.object(tilelang_bwd_impl, "compile_kernel", fake), \
             mock.patch.object(tilelang_split, "compile_kernel", fake), \
-            mock.patch.object(tilelang_fwd, "_sm_count", lambda device: sms), \
-            mock.patch.object(tilelang_bwd_impl, "_sm_count", lambda device: sms, create=True), \
+            mock.patch.object(tilelang_common, "sm_count", lambda device: sms), \
             mock.patch("torch.cuda.get_device_properties",
                        lambda *a: type("P", (), {"multi_processor_count": sms})()):
         # (intra_cp, final states, keep states); the first three are the bench's ours
