@@ -51,12 +51,18 @@ not depend on dS); `DEFAULT_H_KERNEL` / `DEFAULT_DH_KERNEL` choose.
 No atomics anywhere: the result is bitwise deterministic.
 """
 
+import functools
+
 import torch
 
 from . import tilelang_common
 from .tilelang_common import (CHUNK, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang, kernel_operand,
                               ordered_block, state_kv_layout, switched_globals, tl_dtype, walk_order)
 from .tilelang_common import chunk_offsets as chunk_offsets_of
+from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
+from .tilelang_fwd import prepare_fwd
+from .tilelang_split import plan_split, scan_partitions
+from .tilelang_v_head_sum import build_v_head_sum_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -700,6 +706,13 @@ def bwd_kernel_specs(H, HV, K, V, dtype, scale, use_initial_state, use_dht, bloc
         block_v = default_block_v(V)
     dh_kernel = _walk_choice("dh_kernel", dh_kernel or DEFAULT_DH_KERNEL)
     h_kernel = _walk_choice("h_kernel", h_kernel or DEFAULT_H_KERNEL)
+    specs = _bwd_kernel_specs(H, HV, K, V, dtype, scale, use_initial_state, use_dht, block_v, dh_kernel, h_kernel)
+    return [(factory, dict(params)) for factory, params in specs]
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_kernel_specs(H, HV, K, V, dtype, scale, use_initial_state, use_dht, block_v, dh_kernel, h_kernel):
+    # cached: every backward call asks for the same specs (the switches are resolved by the caller)
     # the warp-specialised walks keep a two-stage ring of 64 x K tiles: K <= 128 only
     h_factory, dh_factory = build_bwd_h_kernel, build_bwd_dh_kernel
     if h_kernel == "ws" and K <= 128:
@@ -760,9 +773,14 @@ def _saved_tensor(saved, name, shape):
     if not isinstance(saved, dict):
         return None
     t = saved.get(name)
-    if t is None or t.numel() != int(torch.Size(shape).numel()):
-        return None
-    return t.reshape(shape)
+    if t is None or t.shape == shape:  # (no reshape: each torch call is host time)
+        return t
+    return t.reshape(shape) if t.numel() == torch.Size(shape).numel() else None
+
+
+def _as(x: torch.Tensor, dtype) -> torch.Tensor:
+    """x in `dtype`, without a torch call when it already is (host time on every launch path)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, saved,
@@ -786,24 +804,25 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         scale = K**-0.5
     grp = HV // H
     Ttot = B * Tn
+    split = saved.get("split") if isinstance(saved, dict) else None
+    dense_tabs = None
     if cu_seqlens is not None:
         assert B == 1, "varlen inputs must be packed with B == 1"
         cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
-        dense_tabs = None
+    elif split is not None:  # the partitions' tables replace the sequences' (below)
+        cu = split["part_cu"]
     else:  # a dense batch is B packed sequences of T; their tables come from the host (below)
-        from .tilelang_split import plan_split
-
         dense_tabs = plan_split([b * Tn for b in range(B + 1)], HV, V, 1).device_tensors(dev)
         cu = dense_tabs["part_cu"]
     N = cu.shape[0] - 1
 
-    def flat(x, *tail):
-        return kernel_operand(x.reshape(1, Ttot, *tail))
+    def flat(x, *tail):  # packed [1, B*T, ...] (B == 1 inputs already are)
+        return kernel_operand(x.reshape(1, Ttot, *tail) if B > 1 else x)
 
     qf, kf = flat(q, H, K), flat(k, H, K)
     vf = flat(v, HV, V)
-    dof = flat(do.to(dt), HV, V)
-    b32 = flat(beta.float(), HV)
+    dof = flat(_as(do, dt), HV, V)
+    b32 = flat(_as(beta, torch.float32), HV)
 
     gcum = _saved_tensor(saved, "g_cumsum", (1, Ttot, HV))
     ag = _saved_tensor(saved, "Ag", (1, Ttot, HV, CHUNK))
@@ -811,11 +830,9 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     varlen_saved = saved if isinstance(saved, dict) and cu_seqlens is not None else {}
     ctab = varlen_saved.get("chunk_table")
     if gcum is None or ag is None or ag.dtype != dt:
-        from .tilelang_fwd import prepare_fwd
-
         gcum, ag, ctab = prepare_fwd(kf, flat(g.float(), HV), b32, cu_seqlens=cu,
                                      chunk_tab=None if dense_tabs is None else dense_tabs["seq_chunk_table"])
-    gcum = kernel_operand(gcum.float())
+    gcum = kernel_operand(_as(gcum, torch.float32))
     ag = kernel_operand(ag)
 
     sdims = (HV, K, V)
@@ -834,7 +851,6 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     # Chunk bookkeeping: from the plan's device copies where the segments are known on the host
     # (split partitions, dense batches), so the backward launches nothing and does not wait for
     # the GPU here (H200, TP1 1x8k: fwd+bwd took 2.83 ms for 2.42 ms of kernel time with a sync)
-    split = saved.get("split") if isinstance(saved, dict) else None
     if split is not None:
         cu, ctab, chunk_offsets = split["part_cu"], split["part_chunk_table"], split["part_chunk_offsets"]
         order = split["part_order"]
@@ -888,8 +904,6 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
 
     if NC > 0:
         if split is not None:
-            from .tilelang_split import scan_partitions
-
             if not states_saved:
                 k_h(kf, vf, ag, gcum, cu, chunk_offsets, order, split["S_in"], h_st, vres)
             # the gradient reaching each partition's start from its own outputs: only its first
@@ -923,11 +937,10 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         if use_h0:
             dh0.copy_(dhtf if use_dht else torch.zeros_like(dh0))
 
-    dq = dq.to(dt).reshape(B, Tn, H, K)
-    dk = dk.to(dt).reshape(B, Tn, H, K)
-    dv = dv.reshape(B, Tn, HV, V)
-    dg = dg.to(g.dtype).reshape(B, Tn, HV)
-    db = db.to(beta.dtype).reshape(B, Tn, HV)
+    dg, db = _as(dg, g.dtype), _as(db, beta.dtype)
+    if B > 1:
+        dq, dk, dv = dq.reshape(B, Tn, H, K), dk.reshape(B, Tn, H, K), dv.reshape(B, Tn, HV, V)
+        dg, db = dg.reshape(B, Tn, HV), db.reshape(B, Tn, HV)
     dh0 = state_kv_layout(dh0, state_v_first) if user_h0 else None
     return dq, dk, dv, dg, db, dh0
 
@@ -962,8 +975,6 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order
                 dq, dk, dv, dg, db, dh0):
     """Run the fused walk; dq / dk (per qk-head) are the sums of its per-v-head parts, rounded to
     the input dtype like the peer's (with HV == H the walk writes dq and dk themselves)."""
-    from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
-
     _, Ttot, H, K = qf.shape
     HV = dof.shape[2]
     kern = compile_kernel(build_bwd_fused_ws_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
@@ -975,8 +986,6 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order
     dk_part = torch.empty_like(dq_part)
     kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq_part, dk_part, dv, dg, db,
          dh0)
-    from .tilelang_v_head_sum import build_v_head_sum_kernel
-
     group = HV // H
     summed = compile_kernel(build_v_head_sum_kernel, H=H, group=group, K=K, dtype=tl_dtype(qf.dtype))
     summed(dq_part.view(Ttot, H, group, K), dk_part.view(Ttot, H, group, K), dq.view(Ttot, H, K),
@@ -1028,14 +1037,10 @@ def lowering_cases():
         for (f, p), entry in zip(specs[:2], ("gdn_bwd_h", "gdn_bwd_dh")):
             cases.append((f"{entry}_ws_k{dim}_bv{bv}{'' if states else '_nostate'}", f, p, entry))
     # the GVA sum of the fused walk's dq / dk parts
-    from .tilelang_v_head_sum import build_v_head_sum_kernel
-
     for H, group, dim, dtype in ((16, 2, 128, "bfloat16"), (2, 4, 64, "float16")):
         cases.append((f"gdn_v_head_sum_g{group}_{dtype}_k{dim}", build_v_head_sum_kernel,
                       dict(H=H, group=group, K=dim, dtype=dtype), "gdn_v_head_sum"))
     # the fused walk (FUSED_WALK; with and without exit gradients / dh0, both head sizes)
-    from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
-
     for dim, states in ((128, True), (64, False)):
         cases.append((f"gdn_bwd_fused_ws_k{dim}{'' if states else '_nostate'}", build_bwd_fused_ws_kernel,
                       dict(H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, use_dht=states,
