@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
 
-from .backends import choose_backend
+from .backends import choose_backend, tilelang_backward_supports
 from .kernels.reference_chunked import chunk_gated_delta_rule_torch
 from .kernels.shapes import l2norm
 from .validation import check_inputs, is_intra_option
@@ -140,7 +141,12 @@ def tilelang_backward_enabled() -> bool:
 def chunk_gated_delta_rule_bwd(do, dht, ctx: GDNContext):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) given do and the final-state gradient dht (or None)."""
     if ctx.backend == "tilelang" and tilelang_backward_enabled():
-        return _tilelang_bwd(do, dht, ctx)
+        K, V = ctx.q.shape[-1], ctx.v.shape[-1]
+        if tilelang_backward_supports(K, V):
+            return _tilelang_bwd(do, dht, ctx)
+        warnings.warn(f"chunk_gated_delta_rule: no TileLang backward for head dims K={K}, V={V} (its kernels "
+                      "would not fit in shared memory); the backward runs on the torch chunked path (slower)",
+                      stacklevel=2)
     return _torch_bwd(do, dht, ctx)
 
 

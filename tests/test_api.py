@@ -130,6 +130,29 @@ def test_forward_only_calls_skip_autograd_function(monkeypatch):
         chunk_gated_delta_rule(**leaves)
 
 
+def test_head_dims_without_tilelang_backward_fall_back_to_torch(monkeypatch):
+    # K = V = 256: the TileLang forward runs, but no TileLang backward fits in shared memory. The
+    # backward of such a call runs on the torch chunked path, with a warning; K = 128 keeps the
+    # TileLang backward.
+    from flash_qla_cp import ops
+
+    chosen = []
+    monkeypatch.setattr(ops, "_tilelang_bwd", lambda do, dht, ctx: chosen.append("tilelang"))
+    for dim in (256, 128):
+        x = _inputs(8, seq_len=20, num_heads=1, num_v_heads=2, head_k_dim=dim, head_v_dim=dim)
+        o, _, ctx = chunk_gated_delta_rule_fwd(**x, backend="torch")
+        do = torch.randn_like(o)
+        want = chunk_gated_delta_rule_bwd(do, None, ctx)
+        ctx.backend = "tilelang"  # as after a TileLang forward
+        if dim == 256:
+            with pytest.warns(UserWarning, match="K=256, V=256"):
+                got = chunk_gated_delta_rule_bwd(do, None, ctx)
+            assert all(torch.equal(a, b) for a, b in zip(got[:5], want[:5])) and chosen == []
+        else:
+            chunk_gated_delta_rule_bwd(do, None, ctx)
+            assert chosen == ["tilelang"]
+
+
 def test_l2norm_option_equals_normalising_first():
     x = _inputs(4, seq_len=65, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
     raw = dict(x, q=x["q"] * 3.0, k=x["k"] * 0.5)

@@ -163,10 +163,6 @@ CASES = [
                                      lengths=[5000, 3, 7001, 4000, 4097], with_h0=False, with_dht=False)),
     ("dense_bf16_h16hv32_T32k", dict(B=1, T=32768, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16,
                                      with_h0=False, with_dht=False)),
-    # K = V = 256: the single-warpgroup walks and grad kernel (no warp-specialised ring fits)
-    ("dense_bf16_k256_T700", dict(B=2, T=700, H=2, HV=4, K=256, V=256, dtype=torch.bfloat16)),
-    ("varlen_fp16_k256_odd_states", dict(B=1, T=1943, H=2, HV=4, K=256, V=256, dtype=torch.float16,
-                                         lengths=[1, 63, 64, 65, 200, 517, 1033], use_fwd_saved=True, seed=12)),
 ]
 
 
