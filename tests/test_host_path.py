@@ -112,17 +112,9 @@ def test_unsplit_varlen_call_needs_no_fill():
     assert fills == 0
 
 
-@pytest.mark.parametrize("with_states", [True, False])
-def test_every_launch_matches_its_kernel_signature(with_states):
-    """Each recorded launch of a split fwd+bwd (with or without an initial state and a
-    final-state gradient) passes one argument per PrimFunc parameter, tensors of the buffer's
+def assert_launches_match_signatures(launches):
+    """Each recorded launch passes one argument per PrimFunc parameter, tensors of the buffer's
     rank and dtype: the plumbing between the host code and the kernels, checked without a GPU."""
-    h0 = torch.zeros(1, 4, 128, 128) if with_states else None
-    call = fwd_bwd(*inputs(32768, 2, 4), h0=h0, with_dht=with_states)
-    _, launches, _ = run_recorded(call)
-    assert len(launches.calls) == 9
-    scans = [params for factory, params, _ in launches.calls if factory.__name__ == "build_partition_scan_kernel"]
-    assert [p.get("use_s0", True) for p in scans] == [with_states, with_states]
     for factory, params, args in launches.calls:
         prim = factory(**params)
         assert len(args) == len(prim.params), factory.__name__
@@ -133,6 +125,41 @@ def test_every_launch_matches_its_kernel_signature(with_states):
             assert torch.is_tensor(arg), (factory.__name__, var.name)
             assert arg.dim() == len(buf.shape), (factory.__name__, buf.name, arg.shape)
             assert str(arg.dtype).replace("torch.", "") == str(buf.dtype), (factory.__name__, buf.name, arg.dtype)
+
+
+@pytest.mark.parametrize("with_states", [True, False])
+def test_every_launch_matches_its_kernel_signature(with_states):
+    """A split fwd+bwd, with or without an initial state and a final-state gradient."""
+    h0 = torch.zeros(1, 4, 128, 128) if with_states else None
+    call = fwd_bwd(*inputs(32768, 2, 4), h0=h0, with_dht=with_states)
+    _, launches, _ = run_recorded(call)
+    assert len(launches.calls) == 9
+    scans = [params for factory, params, _ in launches.calls if factory.__name__ == "build_partition_scan_kernel"]
+    assert [p.get("use_s0", True) for p in scans] == [with_states, with_states]
+    assert_launches_match_signatures(launches)
+
+
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_unsplit_recompute_launches_match_their_signatures(with_h0):
+    """Unsplit, the forward keeping nothing, the fused walk off: the backward recomputes the
+    states with the h walk (reading h0 or built not to) and runs the full dh walk and the grad
+    kernel, the path that allocates dh / dvn."""
+    q, k, v, g, beta = inputs(20101, 16, 32)
+    h0 = torch.zeros(5, 32, 128, 128) if with_h0 else None
+
+    def call():
+        _, _, saved = tilelang_fwd.tilelang_chunk_gated_delta_rule_fwd(
+            q, k, v, g, beta, None, h0, False, VARLEN_CU, partitions=None, save_states=False)
+        return tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(
+            torch.zeros_like(v), None, q, k, v, g, beta, None, h0, VARLEN_CU, saved)
+
+    with tilelang_bwd_impl.switches(FUSED_WALK="off"):
+        grads, launches, _ = run_recorded(call)
+    names = launches.names()
+    assert names[2:] == ["build_bwd_h_ws_kernel", "build_bwd_dh_ws_kernel", "build_bwd_grad_group_kernel"]
+    assert launches.calls[2][1]["use_initial_state"] is with_h0
+    assert_launches_match_signatures(launches)
+    assert (grads[5] is not None) is with_h0
 
 
 def test_direct_launch_calls_the_compiled_module_entry_once_looked_up():

@@ -840,9 +840,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     use_dht = dht is not None
 
     # without an initial state / exit gradient the kernels are built not to read them (use_initial_state /
-    # use_dht off): a one-row placeholder stands in, allocated, not filled (no launch)
-    h0 = state_kv_layout(initial_state, state_v_first) if user_h0 else _empty(1, *sdims, dtype=torch.float32,
-                                                                             device=dev)
+    # use_dht off): a one-row placeholder stands in, allocated, not filled (no launch); the h walk's
+    # h0 likewise, below, where that walk runs
     dhtf = state_kv_layout(dht, state_v_first) if use_dht else _empty(1, *sdims, dtype=torch.float32, device=dev)
 
     # Intra-card split (saved by the split forward): the partitions are the sequences of every
@@ -892,9 +891,10 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs[1:])
 
     # dh and dvn reach memory only from the full dh walk (the fused walk keeps them on chip)
-    dh_walk = not fused_walk
-    dh_st = _empty(NC if dh_walk else 1, *sdims, dtype=dt, device=dev)
-    dvn = _empty(1, Ttot if dh_walk else 1, HV, V, dtype=dt, device=dev)
+    dh_st = dvn = None
+    if not fused_walk:
+        dh_st = _empty(NC, *sdims, dtype=dt, device=dev)
+        dvn = _empty(1, Ttot, HV, V, dtype=dt, device=dev)
     dv = _empty(1, Ttot, HV, V, dtype=dt, device=dev)
     dh0 = _empty(N if use_h0 else 1, *sdims, dtype=torch.float32, device=dev)
     dq = _empty(1, Ttot, H, K, dtype=dt, device=dev)
@@ -922,7 +922,9 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
                 k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, order, exit_grad, dh_st, dvn, dv, dh0)
             dh0 = dh0.index_select(0, split["first_parts"]) if user_h0 else dh0
         else:
-            if not states_saved:
+            if not states_saved:  # (without an initial state the h walk is built not to read h0)
+                h0 = state_kv_layout(initial_state, state_v_first) if user_h0 else _empty(
+                    1, *sdims, dtype=torch.float32, device=dev)
                 k_h(kf, vf, ag, gcum, cu, chunk_offsets, order, h0, h_st, vres)
             if fused_walk:
                 _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, dhtf, use_dht, use_h0,
