@@ -249,7 +249,8 @@ def chunk_gated_delta_rule(
         backend=backend,
         intra_cp=intra_cp,
         cu_seqlens_cpu=cu_seqlens_cpu,
-        save_states=bool(save_states) and needs_backward,
+        # kept states serve the TileLang backward only (wider heads take the torch backward)
+        save_states=bool(save_states) and needs_backward and tilelang_backward_supports(q.shape[-1], v.shape[-1]),
     )
     if not needs_backward:  # nothing to record: the forward alone, without autograd.Function's host cost
         o, final_state, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=initial_state, **options)

@@ -153,6 +153,15 @@ def test_head_dims_without_tilelang_backward_fall_back_to_torch(monkeypatch):
             assert chosen == ["tilelang"]
 
 
+def test_wide_heads_keep_no_states(save_states_requests):
+    # chunk states are kept for the TileLang backward only; heads wider than its kernels (256)
+    # take the torch backward, which recomputes everything: nothing to keep
+    for dim in (256, 128):
+        x = _inputs(9, seq_len=10, num_heads=1, num_v_heads=1, head_k_dim=dim, head_v_dim=dim)
+        chunk_gated_delta_rule(**{n: t.requires_grad_(True) for n, t in x.items()})
+    assert save_states_requests == [False, True]
+
+
 def test_l2norm_option_equals_normalising_first():
     x = _inputs(4, seq_len=65, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
     raw = dict(x, q=x["q"] * 3.0, k=x["k"] * 0.5)

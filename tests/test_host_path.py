@@ -89,6 +89,17 @@ def test_split_forward_launches_five_kernels_and_fills_nothing():
     assert o.shape == v.shape and ht.shape == (1, 4, 128, 128)
 
 
+def test_wide_heads_stay_whole():
+    """K = V = 256: the split's partition scan would not fit in shared memory, so 'auto' leaves
+    a long sequence whole (prepare + walk) and an explicit partition count is refused."""
+    q, k, v, g, beta = inputs(32768, 2, 4, D=256)
+    (_, _, saved), launches, _ = run_recorded(lambda: forward(q, k, v, g, beta, True, False))
+    assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_kernel"]
+    assert "split" not in saved
+    with pytest.raises(ValueError, match="head dims <= 128"):
+        tilelang_fwd.tilelang_chunk_gated_delta_rule_fwd(q, k, v, g, beta, partitions=4)
+
+
 def test_split_backward_reads_no_zero_filled_exit_gradients():
     """The split fwd+bwd: the backward adds the warm-up dh walk (starting from zero by
     construction), the reverse scan, the fused walk and the GVA sum of dq / dk."""

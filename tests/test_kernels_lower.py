@@ -42,3 +42,14 @@ def test_zero_entry_scan_does_not_read_its_entry_states():
 
     assert "(s0 +" in kernel_body("split_scan_reverse_bv16_k128")
     assert "s0" not in kernel_body("split_scan_reverse_bv16_zero_entry_k128")
+
+
+def test_split_kernels_past_the_supported_head_dim_do_not_fit():
+    """Why tilelang_split.SPLIT_MAX_HEAD_DIM is 128: at K = V = 256 the partition scan's K x K map
+    needs more shared memory than a block may have (the forward then leaves such heads whole).
+    Should a change make it fit, this fails: lift the limit."""
+    from flash_qla_cp.kernels.tilelang_split import SPLIT_MAX_HEAD_DIM, build_partition_scan_kernel, scan_block_v
+
+    assert SPLIT_MAX_HEAD_DIM == 128
+    scan = build_partition_scan_kernel(HV=4, K=256, V=256, reverse=False, block_v=scan_block_v(256, 1, 4, 132))
+    assert lower_for_cuda(scan).shared_memory_bytes > MAX_SHARED_MEMORY_SM90

@@ -66,7 +66,7 @@ import torch
 from . import tilelang_common
 from .tilelang_common import (CHUNK, chunk_offsets, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang,
                               kernel_operand, ordered_block, state_kv_layout, switched_globals, tl_dtype, walk_order)
-from .tilelang_split import decay_tables, plan_split, scan_partitions, state_summaries
+from .tilelang_split import SPLIT_MAX_HEAD_DIM, decay_tables, plan_split, scan_partitions, state_summaries
 
 LOG2E = 1.4426950408889634
 
@@ -696,6 +696,11 @@ def tilelang_chunk_gated_delta_rule_fwd(
     N = (cu.shape[0] - 1) if varlen else B
 
     seq_tab, seq_offsets, seq_order, plan = None, None, None, None
+    if partitions not in (None, "off", 1) and max(K, V) > SPLIT_MAX_HEAD_DIM:
+        if partitions != "auto":
+            raise ValueError(f"intra-card split (intra_cp={partitions!r}) needs head dims <= {SPLIT_MAX_HEAD_DIM} "
+                             f"on the TileLang backend, got K={K}, V={V}; use intra_cp='auto' or 'off'")
+        partitions = None  # 'auto': such heads stay whole (the split's scan would not fit in shared memory)
     if partitions not in (None, "off", 1) and Tn > 0 and N > 0:
         if varlen:  # the one read-back of cu_seqlens (none when the caller passes a CPU copy)
             cu_host = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.cpu()

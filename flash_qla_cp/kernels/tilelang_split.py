@@ -56,6 +56,9 @@ LONG_WALK_SLACK = 1.5
 # step that expands the state: the layer's l2-normalised k and sigmoid beta give that, and
 # inputs without it make the recurrence itself grow without bound. g <= 0 by definition.
 WARMUP_LOG_DECAY = -16.0
+# Largest head dim the split runs at: its partition scan keeps a K x K map in fp32 shared memory,
+# 573 KB at K = V = 256 (lowered for sm_90a; a block may have 227 KB). Wider heads stay whole.
+SPLIT_MAX_HEAD_DIM = 128
 
 __all__ = [
     "SplitPlan",
