@@ -4,6 +4,8 @@ no K = 256 kernels (backends.TILELANG_BWD_MAX_HEAD_DIM)."""
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 
@@ -21,4 +23,7 @@ def specs(sms):
         out += fwd_kernel_specs(kw["H"], kw["HV"], kw["K"], kw["V"], kw["dtype"], kw["K"] ** -0.5,
                                 kw.get("cu") is not None, kw.get("with_h0", True), True,
                                 kw.get("state_v_first", False), **cfg)
+    # check_split.py's wide_k256_auto: two sequences, unsplit, with h0 and final states
+    cfg = default_fused_config(2, 4, 256, sms, K=256)
+    out += fwd_kernel_specs(2, 4, 256, 256, torch.bfloat16, 256**-0.5, True, True, True, False, **cfg)
     return out
