@@ -9,7 +9,11 @@ Prints one JSON line per setting: "alone" (one call after a device sync, median 
 "loop" (the k-th of --calls calls issued back to back), with the launch offsets, the call's end,
 and do_bench's eager median for the same call. Writes host_timeline.json under --out.
 --profile adds a cProfile of --profile-calls calls (the functions with the most own time; torch's
-C++ entry points show up as builtins) to the JSON as "profile".
+C++ entry points show up as builtins) to the JSON as "profile". A CUDA backward runs on autograd's
+device thread, out of the profiler's sight (it shows as run_backward's own time) and after a
+thread hand-off: --same-thread-backward runs it on the calling thread instead
+(torch.autograd.set_multithreading_enabled(False)), for the profile and for a timing without
+the hand-off.
 """
 
 import argparse
@@ -73,6 +77,7 @@ def main():
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-calls", type=int, default=500)
+    ap.add_argument("--same-thread-backward", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
 
@@ -83,12 +88,14 @@ def main():
         marks.append(time.perf_counter())
         return launch(self, *a)
 
+    if args.same_thread_backward:
+        torch.autograd.set_multithreading_enabled(False)
     q, k, v, g, beta, cu = shape_inputs(args.shape)
     fwd, fwdbwd = build_fns("ours", q, k, v, g, beta, cu, q.shape[-1] ** -0.5)
     fn = fwd if args.which == "fwd" else fwdbwd
     fn()
     torch.cuda.synchronize()
-    rows = {"shape": args.shape, "pass": args.which,
+    rows = {"shape": args.shape, "pass": args.which, "same_thread_backward": args.same_thread_backward,
             "do_bench_eager_ms": round(triton.testing.do_bench(fn, return_mode="median"), 4)}
     tilelang_common.DirectLaunch.__call__ = stamped
     try:
