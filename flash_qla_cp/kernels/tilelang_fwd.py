@@ -812,10 +812,10 @@ def _split_forward(q, k, v, ag, g_cum, scale, initial_state, output_final_state,
     if cfg.get("store_states"):
         states = (*_state_outputs(saved, int(idx["part_chunk_table"].shape[0]), vf, K), idx["part_chunk_offsets"])
     kern(qf, kf, vf, agf, gf, idx["part_cu"], idx["part_order"], s_in, o, ht, *states)
-    final = None
-    if output_final_state:  # each sequence's last partition; one sequence: a slice, no gather launch
-        last = ht[plan.num_parts - 1:] if N == 1 else ht.index_select(0, idx["last_parts"])
-        final = state_kv_layout(last, state_v_first)
+    # each sequence's last partition, gathered into a tensor of its own: a slice would be cheaper
+    # on the host, but would keep every partition's state alive for as long as the caller keeps the
+    # final states (a prefill's cache: NP / N times the memory)
+    final = state_kv_layout(ht.index_select(0, idx["last_parts"]), state_v_first) if output_final_state else None
     split = {
         "part_cu": idx["part_cu"],
         "part_chunk_table": idx["part_chunk_table"],
