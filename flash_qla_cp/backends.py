@@ -1,6 +1,7 @@
 """Backends behind the public op and how one is chosen.
 
-`torch`: the chunked torch reference (any device, any float dtype, autograd backward).
+`torch`: the chunked torch reference (any device, any float dtype; its backward is the hand-written
+chunked backward of `kernels/reference_backward.py`).
 `tilelang`: the fused Hopper kernels (CUDA, sm_90, bf16/fp16). The GPU is only asked
 about when an op is called, never at import time.
 """

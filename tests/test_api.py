@@ -180,6 +180,33 @@ def test_state_v_first_is_the_transposed_layout():
     assert rel_err(s_t.transpose(-1, -2), s) < 1e-14
 
 
+def test_torch_backward_with_l2norm_and_v_first_states_matches_autograd():
+    # the op's torch backward (hand-written walks) against autograd through the chunked torch
+    # forward, with the options it handles around the walks: q / k normalised in the op,
+    # [N, HV, V, K] states, an initial state and a final-state gradient
+    from flash_qla_cp.kernels import chunk_gated_delta_rule_torch
+
+    lengths = [70, 5, 64]
+    cu = random_cu_seqlens(lengths)
+    x = _inputs(11, seq_len=sum(lengths), num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=8)
+    x = dict(x, q=x["q"] * 3.0, k=x["k"] * 0.5)  # not unit length: the normalisation matters
+    gen = torch.Generator().manual_seed(12)
+    h0 = torch.randn(3, 2, 8, 16, generator=gen, dtype=torch.float64)
+    do = torch.randn(1, sum(lengths), 2, 8, generator=gen, dtype=torch.float64)
+    dht = torch.randn(3, 2, 8, 16, generator=gen, dtype=torch.float64)
+    opts = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, state_v_first=True)
+
+    grads = []
+    for op in (chunk_gated_delta_rule, chunk_gated_delta_rule_torch):
+        leaves = _leaves(x)
+        h0_leaf = h0.clone().requires_grad_(True)
+        o, ht = op(**leaves, initial_state=h0_leaf, **opts)
+        ((o * do).sum() + (ht * dht).sum()).backward()
+        grads.append([leaves[n].grad for n in NAMES] + [h0_leaf.grad])
+    for name, got, want in zip((*NAMES, "h0"), *grads):
+        assert rel_err(got, want) < 1e-10, name
+
+
 def test_results_are_deterministic():
     x = make_gdn_inputs(seq_len=200, dtype=torch.bfloat16)
     first = chunk_gated_delta_rule(**x, output_final_state=True)
