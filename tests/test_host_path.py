@@ -100,6 +100,26 @@ def test_wide_heads_stay_whole():
         tilelang_fwd.tilelang_chunk_gated_delta_rule_fwd(q, k, v, g, beta, partitions=4)
 
 
+def test_wide_heads_backward_runs_the_walks_then_torch_chunk_grads():
+    """K = V = 256: the two walks in TileLang (the dh walk at block_v 32, where it fits in shared
+    memory), then `chunk_grads_from_states` in place of the grad kernel (which would not fit)."""
+    q, k, v, g, beta = inputs(5000, 2, 4, D=256)
+    calls = []
+
+    def chunk_grads(qf, kf, dof, vres, dvn, gcum, b32, h_st, dh_st, cu, ctab, scale):
+        calls.append((h_st.shape, dh_st.shape, ctab.shape))
+        return torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(gcum), torch.zeros_like(gcum)
+
+    with mock.patch.object(tilelang_bwd_impl, "chunk_grads_from_states", chunk_grads):
+        grads, launches, _ = run_recorded(fwd_bwd(q, k, v, g, beta, h0=torch.zeros(1, 4, 256, 256)))
+    assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_kernel", "build_bwd_h_kernel",
+                                "build_bwd_dh_kernel"]
+    assert launches.calls[2][1]["block_v"] == launches.calls[3][1]["block_v"] == 32
+    assert calls[-1] == ((79, 4, 256, 256), (79, 4, 256, 256), (79, 2))  # ceil(5000 / 64) chunks (run_recorded calls twice)
+    assert_launches_match_signatures(launches)
+    assert [t.shape for t in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
+
+
 def test_split_backward_reads_no_zero_filled_exit_gradients():
     """The split fwd+bwd: the backward adds the warm-up dh walk (starting from zero by
     construction), the reverse scan, the fused walk and the GVA sum of dq / dk."""

@@ -64,15 +64,16 @@ def test_fused_ws_walk_reduces_across_warps_only_in_grad_warpgroup():
     assert cross_warp and all(off == 128 for _, off in cross_warp), cross_warp
 
 
-def test_backward_kernels_past_the_supported_head_dim_do_not_fit():
-    """Why backends.TILELANG_BWD_MAX_HEAD_DIM is 128: at K = V = 256 the grad kernel and the dh
-    walk need more shared memory than a block may have (the H200 refused the dh walk), so those
-    calls take the torch backward. Should a change make them fit, this fails: lift the limit."""
-    from flash_qla_cp.backends import TILELANG_BWD_MAX_HEAD_DIM
+def test_wide_heads_backward_fits_only_without_the_grad_kernel():
+    """Why the backward's wide path (head dims past 128) replaces the grad kernel and runs the dh
+    walk at block_v 32: at K = V = 256 the grad kernel, and the dh walk at its default block_v 64,
+    need more shared memory than a block may have (the H200 refused that dh walk); the walks at
+    32 fit. Should the grad kernel come to fit, this fails: use it there."""
     from flash_qla_cp.kernels.tilelang_bwd_impl import bwd_kernel_specs
 
-    assert TILELANG_BWD_MAX_HEAD_DIM == 128
     _, (dh_factory, dh_params), (grad_factory, grad_params) = bwd_kernel_specs(
         2, 4, 256, 256, "bfloat16", 256**-0.5, True, True)
     for factory, params in ((dh_factory, dh_params), (grad_factory, grad_params)):
         assert lower_for_cuda(factory(**params)).shared_memory_bytes > MAX_SHARED_MEMORY_SM90, factory.__name__
+    for factory, params in bwd_kernel_specs(2, 4, 256, 256, "bfloat16", 256**-0.5, True, True, block_v=32)[:2]:
+        assert lower_for_cuda(factory(**params)).shared_memory_bytes <= MAX_SHARED_MEMORY_SM90, factory.__name__

@@ -59,6 +59,7 @@ from . import tilelang_common
 from .tilelang_common import (CHUNK, chunk_table, compile_kernel, grid_fills_gpu, import_tilelang, kernel_operand,
                               ordered_block, state_kv_layout, switched_globals, tl_dtype, walk_order)
 from .tilelang_common import chunk_offsets as chunk_offsets_of
+from .chunk_grads_torch import chunk_grads_from_states
 from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
 from .tilelang_fwd import prepare_fwd
 from .tilelang_split import plan_split, scan_partitions
@@ -869,6 +870,13 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     if h_kernel is None and split is not None:
         h_kernel = SPLIT_H_KERNEL
     sms = tilelang_common.sm_count(dev)
+    # Head dims past 128: the grad kernel does not fit in shared memory (529 KB at K = V = 256), so
+    # every chunk's dq / dk / dg / dbeta come from `chunk_grads_torch` after the two walks; the dh
+    # walk fits at block_v 32 (209 KB; 238 KB at 64). The forward never splits such heads.
+    wide = max(K, V) > 128
+    assert not (wide and split is not None), "the forward does not split heads wider than 128"
+    if block_v is None and wide:
+        block_v = 32
     if block_v is None and split is not None and V % 64 == 0:
         # (measurement pending) partitions multiply the grid: 64-wide tiles while it still
         # fills the GPU, as in the forward's default_fused_config
@@ -888,7 +896,8 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
     k_h = None if states_saved else compile_kernel(specs[0][0], **specs[0][1])
     k_dh = k_grad = None  # the fused walk replaces the full dh walk and the grad kernel
     if not fused_walk:
-        k_dh, k_grad = (compile_kernel(f, **p) for f, p in specs[1:])
+        k_dh = compile_kernel(specs[1][0], **specs[1][1])
+        k_grad = None if wide else compile_kernel(specs[2][0], **specs[2][1])
 
     # dh and dvn reach memory only from the full dh walk (the fused walk keeps them on chip)
     dh_st = dvn = None
@@ -931,7 +940,9 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
                             scale, dq, dk, dv, dg, db, dh0)
             else:
                 k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, order, dhtf, dh_st, dvn, dv, dh0)
-        if not fused_walk:
+        if wide:
+            dq, dk, dg, db = chunk_grads_from_states(qf, kf, dof, vres, dvn, gcum, b32, h_st, dh_st, cu, ctab, scale)
+        elif not fused_walk:
             k_grad(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq, dk, dg, db)
     else:
         for t in (dq, dk, dv, dg, db):

@@ -163,6 +163,10 @@ CASES = [
                                      lengths=[5000, 3, 7001, 4000, 4097], with_h0=False, with_dht=False)),
     ("dense_bf16_h16hv32_T32k", dict(B=1, T=32768, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16,
                                      with_h0=False, with_dht=False)),
+    # K = V = 256: the walks at block_v 32, the per-chunk gradients in torch (chunk_grads_torch)
+    ("dense_bf16_k256_T700", dict(B=2, T=700, H=2, HV=4, K=256, V=256, dtype=torch.bfloat16)),
+    ("varlen_fp16_k256_odd_fwdsaved", dict(B=1, T=1943, H=2, HV=4, K=256, V=256, dtype=torch.float16,
+                                           lengths=[1, 63, 64, 65, 200, 517, 1033], use_fwd_saved=True, seed=12)),
 ]
 
 
@@ -189,8 +193,10 @@ def check_v_head_sum():
 
 def specs_for(kw):
     K, V = kw["K"], kw["V"]
+    wide = max(K, V) > 128  # the walks at block_v 32, no grad kernel (tilelang_bwd_impl)
     out = bwd.bwd_kernel_specs(kw["H"], kw["HV"], K, V, kw["dtype"], K**-0.5, kw.get("with_h0", True),
-                               kw.get("with_dht", True), kw.get("block_v"))
+                               kw.get("with_dht", True), kw.get("block_v") or (32 if wide else None))
+    out = out[:2] if wide else out
     from flash_qla_cp.kernels.tilelang_fwd import build_prepare_kernel, default_fused_config, fwd_kernel_specs
 
     if kw.get("use_fwd_saved"):  # the tiles the forward picks on an H200 (132 SMs)

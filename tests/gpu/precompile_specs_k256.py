@@ -1,5 +1,5 @@
-"""Kernel specs of the K = V = 256 cases of check_fwd.py (for precompile_cache.py). The backward has
-no K = 256 kernels (backends.TILELANG_BWD_MAX_HEAD_DIM)."""
+"""Kernel specs of the K = V = 256 cases of check_fwd.py, check_bwd.py and check_split.py (for
+precompile_cache.py)."""
 
 import os
 import sys
@@ -10,11 +10,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def specs(sms):
+    import check_bwd
     import check_fwd
 
     from flash_qla_cp.kernels.tilelang_fwd import default_fused_config, fwd_kernel_specs
 
-    out = []
+    out = [s for name, kw in check_bwd.CASES if "k256" in name for s in check_bwd.specs_for(kw)]
     for name, kw in check_fwd.CASES:
         if "k256" not in name:
             continue
