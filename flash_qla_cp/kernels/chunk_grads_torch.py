@@ -33,14 +33,15 @@ def _rows(ctab: torch.Tensor, cu_seqlens: torch.Tensor, T: int):
 
 
 def chunk_grads_from_states(q, k, do, vres, dvn, gcum, beta, h_states, dh_states, cu_seqlens, chunk_table, scale,
-                            chunks_per_batch: int = 64):
+                            chunks_per_batch: int | None = None):
     """(dq [1,T,H,K] and dk in q's dtype, dg [1,T,HV] and dbeta in the compute dtype).
 
     q, k [1, T, H, K]; do, vres (v - exp(G) k S), dvn (gradient of v_new) [1, T, HV, V];
     gcum [1, T, HV] the chunk-local cumulative gate; beta [1, T, HV]; h_states / dh_states
     [NC, HV, K, V] (the state entering / the gradient of the state leaving each chunk of
     `chunk_table` [NC, 2]); cu_seqlens [N + 1]. Computed in fp32 (float64 for float64 inputs),
-    `chunks_per_batch` chunks at a time (memory: a few [chunks, HV, 64, max(K, V)] tensors)."""
+    `chunks_per_batch` chunks at a time (memory: a dozen [chunks, HV, 64, max(K, V)] tensors; by
+    default as many chunks as keep each one at 2^25 elements, 128 MB in fp32)."""
     _, T, H, K = q.shape
     HV = do.shape[2]
     grp = HV // H
@@ -49,6 +50,8 @@ def chunk_grads_from_states(q, k, do, vres, dvn, gcum, beta, h_states, dh_states
     dk = torch.zeros_like(dq)
     dg = torch.zeros(1, T, HV, dtype=f32, device=q.device)
     dbeta = torch.zeros_like(dg)
+    if chunks_per_batch is None:
+        chunks_per_batch = max(1, 2**25 // (HV * CHUNK * max(K, do.shape[3])))
     rows_all, valid_all = _rows(chunk_table, cu_seqlens, T)
     lower_incl = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
     eye = torch.eye(CHUNK, dtype=f32, device=q.device)
