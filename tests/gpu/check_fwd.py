@@ -195,6 +195,12 @@ CASES = [
     ("dense_bf16_k256_h2hv4_T500", dict(B=2, T=500, H=2, HV=4, K=256, V=256, dtype=torch.bfloat16)),
     ("varlen_fp16_k256_h2hv4_odd", dict(B=1, T=1000, H=2, HV=4, K=256, V=256, dtype=torch.float16,
                                         cu=[0, 1, 65, 200, 777, 1000], state_v_first=True, ref="recurrent")),
+    # one head dim 256, the other 128 (K <= 128: the warp-specialised kernels at V = 256)
+    ("varlen_bf16_k128v256_h16hv32", dict(B=1, T=1000, H=16, HV=32, K=128, V=256, dtype=torch.bfloat16,
+                                          cu=[0, 1, 65, 200, 777, 1000])),
+    ("dense_bf16_k128v256_h2hv4", dict(B=1, T=700, H=2, HV=4, K=128, V=256, dtype=torch.bfloat16)),
+    ("dense_bf16_k256v128_h2hv4", dict(B=2, T=300, H=2, HV=4, K=256, V=128, dtype=torch.bfloat16,
+                                       ref="recurrent")),
 ]
 
 
@@ -205,7 +211,7 @@ def main():
     ap.add_argument("--match", default=None, help="only the cases whose name contains this")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    cases = [c for c in CASES[:3] + CASES[7:] if "k256" not in c[0]] if args.quick else CASES
+    cases = [c for c in CASES[:3] + CASES[7:] if max(c[1]["K"], c[1]["V"]) <= 128] if args.quick else CASES
     if args.match:
         cases = [c for c in CASES if args.match in c[0]]
 
