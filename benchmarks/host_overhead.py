@@ -26,14 +26,19 @@ from bench_kernels import each_call  # noqa: E402
 from profile_kernels import host_ms  # noqa: E402
 
 
-def profile_top(fn, iters, sort, n=25):
+def profile_top(fn, iters, sort, n=25, sync_every=None):
+    """The top n lines of a cProfile report (pstats totals) of `iters` calls of fn, sorted by
+    `sort`; sync_every: wait for the GPU (outside the profile) every that many calls, so that a
+    full launch queue does not show up as launch time."""
     fn()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(iters):
+    for i in range(iters):
+        if sync_every and i % sync_every == 0:
+            torch.cuda.synchronize()
+        prof.enable()
         fn()
-    prof.disable()
+        prof.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)

@@ -8,8 +8,9 @@ host microseconds since the call began.
 Prints one JSON line per setting: "alone" (one call after a device sync, median of --reps) and
 "loop" (the k-th of --calls calls issued back to back), with the launch offsets, the call's end,
 and do_bench's eager median for the same call. Writes host_timeline.json under --out.
---profile adds a cProfile of --profile-calls calls (the functions with the most own time; torch's
-C++ entry points show up as builtins) to the JSON as "profile". A CUDA backward runs on autograd's
+--profile adds a cProfile of --profile-calls calls (`host_overhead.profile_top`: the functions with
+the most own time, totals over the calls; torch's C++ entry points show up as builtins) to the
+JSON as "profile". A CUDA backward runs on autograd's
 device thread, out of the profiler's sight (it shows as run_backward's own time) and after a
 thread hand-off: --same-thread-backward runs it on the calling thread instead
 (torch.autograd.set_multithreading_enabled(False)), for the profile and for a timing without
@@ -17,9 +18,6 @@ the hand-off.
 """
 
 import argparse
-import cProfile
-import io
-import pstats
 import json
 import os
 import statistics
@@ -32,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_kernels import build_fns, shape_inputs  # noqa: E402
+from host_overhead import profile_top  # noqa: E402
 
 
 def timeline(fn, marks):
@@ -41,28 +40,6 @@ def timeline(fn, marks):
     fn()
     end = time.perf_counter()
     return [round((m - start) * 1e6, 1) for m in marks], round((end - start) * 1e6, 1)
-
-
-def profile_calls(fn, calls, top=40):
-    """Lines of a cProfile report of `calls` calls of fn (syncing every 20 so that the launch
-    queue never fills), sorted by own time, per-call microseconds in the last columns."""
-    prof = cProfile.Profile()
-    for i in range(calls):
-        if i % 20 == 0:
-            torch.cuda.synchronize()
-        prof.enable()
-        fn()
-        prof.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(prof)
-    rows = []
-    for (path, line, name), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
-        rows.append((tottime, ncalls, cumtime, f"{os.path.basename(path)}:{line}({name})"))
-    rows.sort(reverse=True)
-    out = [f"{'own us/call':>11} {'cum us/call':>11} {'n/call':>6}  function"]
-    for tottime, ncalls, cumtime, where in rows[:top]:
-        out.append(f"{tottime / calls * 1e6:11.1f} {cumtime / calls * 1e6:11.1f} {ncalls / calls:6.1f}  {where}")
-    return out
 
 
 def main():
@@ -113,7 +90,7 @@ def main():
     finally:
         tilelang_common.DirectLaunch.__call__ = launch
     if args.profile:
-        rows["profile"] = profile_calls(fn, args.profile_calls)
+        rows["profile"] = profile_top(fn, args.profile_calls, "tottime", n=40, sync_every=20)
     print(json.dumps({k: v for k, v in rows.items() if k != "profile"}), flush=True)
     for line in rows.get("profile", []):
         print(line)

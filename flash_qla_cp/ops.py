@@ -162,6 +162,13 @@ def backward_will_run(*inputs) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
 
 
+def keep_chunk_states(save_states: bool, needs_backward: bool, q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the forward keeps its chunk states: asked for (save_states), a backward will run,
+    and it is the TileLang backward that reads them (head dims it has kernels for; wider heads
+    take the torch backward, which recomputes everything)."""
+    return bool(save_states) and needs_backward and tilelang_backward_supports(q.shape[-1], v.shape[-1])
+
+
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, g, beta, initial_state, options):
@@ -254,8 +261,7 @@ def chunk_gated_delta_rule(
         backend=backend,
         intra_cp=intra_cp,
         cu_seqlens_cpu=cu_seqlens_cpu,
-        # kept states serve the TileLang backward only (wider heads take the torch backward)
-        save_states=bool(save_states) and needs_backward and tilelang_backward_supports(q.shape[-1], v.shape[-1]),
+        save_states=keep_chunk_states(save_states, needs_backward, q, v),
     )
     if not needs_backward:  # nothing to record: the forward alone, without autograd.Function's host cost
         o, final_state, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=initial_state, **options)

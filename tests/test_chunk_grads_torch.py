@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flash_qla_cp.kernels.chunk_grads_torch import chunk_grads_from_states
-from flash_qla_cp.kernels.reference_backward import chunk_gated_delta_rule_bwd_reference
+from flash_qla_cp.kernels.reference_backward import chunk_gated_delta_rule_bwd_reference, ut_inverse
 from flash_qla_cp.kernels.reference_chunked import _decay_diff, _from_chunks, _to_chunks
 from flash_qla_cp.kernels.shapes import expand_qk_heads, padded_chunk_index, sequence_bounds
 from flash_qla_cp.kernels.tilelang_common import chunk_table
@@ -26,10 +26,7 @@ def walks(x, do, h0, dht, cu, scale):
                                for t in (expand_qk_heads(q, HV), expand_qk_heads(k, HV), v, g, beta, do))
     G = gc.cumsum(-1)
     GL = G[..., -1]
-    kk = kc @ kc.transpose(-1, -2)
-    eye = torch.eye(C, dtype=torch.float64)
-    Tm = torch.linalg.solve_triangular(eye + bc[..., :, None] * kk * _decay_diff(G, False), eye.expand_as(kk),
-                                       upper=False, unitriangular=True)
+    Tm = ut_inverse(kc, G, bc)
     Ag, eG, tail = Tm * bc[..., None, :], torch.exp(G)[..., None], torch.exp(GL[..., None] - G)[..., None]
     P = scale * (qc @ kc.transpose(-1, -2)) * _decay_diff(G, True)
     NT = qc.shape[2]

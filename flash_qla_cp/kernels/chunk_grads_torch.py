@@ -6,8 +6,8 @@ TileLang (they fit at block_v 32 for K = V = 256), and this module takes the gra
 the same inputs (packed [1, T, ...] tensors, the states entering and the gradients leaving each
 chunk in chunk-table order), the same outputs (dq, dk per qk-head, dg, dbeta per v-head).
 
-The formulas are those of `reference_backward.py` (module docstring), here for a batch of
-chunks at a time: no recurrence is left, every chunk is independent given its two states.
+The formulas are `reference_backward.chunk_gradients` (the hand-written backward's per-chunk
+step), here for a batch of chunks at a time: every chunk is independent given its two states.
 Padding rows of a short last chunk are zero (q, k, do, vres, dvn, beta) and keep the last
 valid row's G, as in the kernels.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference_chunked import _decay_diff
+from .reference_backward import chunk_gradients, ut_inverse
 from .tilelang_common import CHUNK
 
 
@@ -53,8 +53,6 @@ def chunk_grads_from_states(q, k, do, vres, dvn, gcum, beta, h_states, dh_states
     if chunks_per_batch is None:
         chunks_per_batch = max(1, 2**25 // (HV * CHUNK * max(K, do.shape[3])))
     rows_all, valid_all = _rows(chunk_table, cu_seqlens, T)
-    lower_incl = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    eye = torch.eye(CHUNK, dtype=f32, device=q.device)
 
     for c0 in range(0, chunk_table.shape[0], chunks_per_batch):
         rows, valid = rows_all[c0:c0 + chunks_per_batch], valid_all[c0:c0 + chunks_per_batch]
@@ -73,33 +71,9 @@ def chunk_grads_from_states(q, k, do, vres, dvn, gcum, beta, h_states, dh_states
         S = h_states[c0:c0 + chunks_per_batch].to(f32)
         dS = dh_states[c0:c0 + chunks_per_batch].to(f32)
 
-        GL = G[..., -1]
-        gam_incl, gam_strict = _decay_diff(G, True), _decay_diff(G, False)
-        kk = kc @ kc.transpose(-1, -2)
-        Tm = torch.linalg.solve_triangular(eye + b[..., :, None] * kk * gam_strict, eye.expand_as(kk),
-                                           upper=False, unitriangular=True)
-        Ag = Tm * b[..., None, :]
-        eG = torch.exp(G)[..., None]
-        tail = torch.exp(GL[..., None] - G)[..., None]
-
-        v_new = Ag @ vrc
-        t = Ag.transpose(-1, -2) @ dvc
-        dAg = (dvc @ vrc.transpose(-1, -2)) * lower_incl
-        dA = -(Tm.transpose(-1, -2) @ (dAg * b[..., None, :]) @ Tm.transpose(-1, -2)).tril(-1)
-        X = b[..., :, None] * dA * gam_strict
-        Pm = scale * (doc @ v_new.transpose(-1, -2)) * gam_incl
-        qk = qc @ kc.transpose(-1, -2)
-        q_term = scale * eG * (doc @ S.transpose(-1, -2))
-        w_term = -eG * (t @ S.transpose(-1, -2))
-        s_term = tail * (v_new @ dS.transpose(-1, -2))
-        dq_c = q_term + Pm @ kc
-        dk_c = w_term + s_term + Pm.transpose(-1, -2) @ qc + X @ kc + X.transpose(-1, -2) @ kc
-        db_c = (dA * kk * gam_strict).sum(-1) + (dAg * Tm).sum(-2)
-        YP, YA = Pm * qk, X * kk
-        dG = (YP.sum(-1) - YP.sum(-2) + YA.sum(-1) - YA.sum(-2) + (q_term * qc).sum(-1) + (w_term * kc).sum(-1)
-              - (s_term * kc).sum(-1))
-        dG[..., -1] += torch.exp(GL) * (S * dS).sum((-1, -2)) + (s_term * kc).sum((-1, -2))
-        dg_c = dG.flip(-1).cumsum(-1).flip(-1)
+        Tm = ut_inverse(kc, G, b)
+        t = (Tm * b[..., None, :]).transpose(-1, -2) @ dvc  # = dv (the dh walk wrote it too)
+        dq_c, dk_c, db_c, dg_c = chunk_gradients(qc, kc, doc, vrc, dvc, t, G, b, Tm, S, dS, scale)
 
         # back to tokens: the valid rows of each chunk (chunks do not overlap), v-heads summed
         # into their qk-head for dq and dk

@@ -34,22 +34,59 @@ from .reference_chunked import CHUNK_SIZE, _decay_diff, _from_chunks, _to_chunks
 from .shapes import expand_qk_heads, padded_chunk_index, sequence_bounds
 
 
-def _chunk_backward(q, k, v, g, beta, scale, S0, do, dS_last):
-    """Gradients on chunk-aligned tensors [N, HV, NT, C, ...] (see `chunk_scan`)."""
+def ut_inverse(k, G, beta):
+    """Tm = (I + A)^-1 of chunks [..., C, K] (A = strict_lower(diag(beta) k k^T o Gam))."""
+    C = k.shape[-2]
+    eye = torch.eye(C, dtype=k.dtype, device=k.device)
+    kk = k @ k.transpose(-1, -2)
+    return torch.linalg.solve_triangular(eye + beta[..., :, None] * kk * _decay_diff(G, include_diagonal=False),
+                                         eye.expand_as(kk), upper=False, unitriangular=True)
+
+
+def chunk_gradients(q, k, do, vres, dvn, t, G, beta, Tm, S, dS, scale):
+    """(dq, dk, dbeta, dg) of chunks [..., C, ...] (the formulas of the module docstring), given
+    each chunk's vres, dvn, t = Ag^T dvn, G (chunk-local cumulative gate), Tm (`ut_inverse`), the
+    state S entering it and the gradient dS' of the state leaving it [..., K, V]. No recurrence:
+    any batch of chunks at once (the reverse walk below, one chunk at a time; `chunk_grads_torch`,
+    many)."""
     C = q.shape[-2]
-    G = g.cumsum(-1)
     GL = G[..., -1]
     gam_incl = _decay_diff(G, include_diagonal=True)
     gam_strict = _decay_diff(G, include_diagonal=False)
     kk = k @ k.transpose(-1, -2)
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    Tm = torch.linalg.solve_triangular(eye + beta[..., :, None] * kk * gam_strict, eye.expand_as(kk),
-                                       upper=False, unitriangular=True)
+    eG = torch.exp(G)[..., None]
+    tail = torch.exp(GL[..., None] - G)[..., None]  # exp(GL - G) per row
+    v_new = (Tm * beta[..., None, :]) @ vres
+
+    dAg = (dvn @ vres.transpose(-1, -2)) * torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    dA = -(Tm.transpose(-1, -2) @ (dAg * beta[..., None, :]) @ Tm.transpose(-1, -2)).tril(-1)
+    X = beta[..., :, None] * dA * gam_strict
+    Pm = scale * (do @ v_new.transpose(-1, -2)) * gam_incl
+    qk = q @ k.transpose(-1, -2)
+
+    q_term = scale * eG * (do @ S.transpose(-1, -2))  # scale E dO S^T
+    w_term = -eG * (t @ S.transpose(-1, -2))  # -E t S^T
+    s_term = tail * (v_new @ dS.transpose(-1, -2))  # exp(GL - G) v_new dS'^T
+    dq = q_term + Pm @ k
+    dk = w_term + s_term + Pm.transpose(-1, -2) @ q + X @ k + X.transpose(-1, -2) @ k
+    dbeta = (dA * kk * gam_strict).sum(-1) + (dAg * Tm).sum(-2)
+
+    YP, YA = Pm * qk, X * kk
+    dG = (YP.sum(-1) - YP.sum(-2) + YA.sum(-1) - YA.sum(-2) + (q_term * q).sum(-1) + (w_term * k).sum(-1)
+          - (s_term * k).sum(-1))
+    dG[..., -1] += torch.exp(GL) * (S * dS).sum((-1, -2)) + (s_term * k).sum((-1, -2))
+    return dq, dk, dbeta, dG.flip(-1).cumsum(-1).flip(-1)
+
+
+def _chunk_backward(q, k, v, g, beta, scale, S0, do, dS_last):
+    """Gradients on chunk-aligned tensors [N, HV, NT, C, ...] (see `chunk_scan`)."""
+    G = g.cumsum(-1)
+    GL = G[..., -1]
+    Tm = ut_inverse(k, G, beta)
     Ag = Tm * beta[..., None, :]
     eG = torch.exp(G)[..., None]
     k_tail = torch.exp(GL[..., None] - G)[..., None]  # exp(GL - G) per row
-    P = scale * (q @ k.transpose(-1, -2)) * gam_incl
-    lower_incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    P = scale * (q @ k.transpose(-1, -2)) * _decay_diff(G, include_diagonal=True)
 
     # forward walk: the state entering every chunk and vres
     states, vres_all = [], []
@@ -64,33 +101,12 @@ def _chunk_backward(q, k, v, g, beta, scale, S0, do, dS_last):
     dq, dk, dv, dg, dbeta = (torch.zeros_like(x) for x in (q, k, v, g, beta))
     dS = dS_last
     for c in reversed(range(q.shape[2])):
-        S, vres = states[c], vres_all[c]
-        qc, kc, doc = q[:, :, c], k[:, :, c], do[:, :, c]
-        Agc, Tmc, Gc, eGc, tail = Ag[:, :, c], Tm[:, :, c], G[:, :, c], eG[:, :, c], k_tail[:, :, c]
-        v_new = Agc @ vres
-        dvn = P[:, :, c].transpose(-1, -2) @ doc + tail * (kc @ dS)
-        t = Agc.transpose(-1, -2) @ dvn
+        qc, kc, doc, eGc = q[:, :, c], k[:, :, c], do[:, :, c], eG[:, :, c]
+        dvn = P[:, :, c].transpose(-1, -2) @ doc + k_tail[:, :, c] * (kc @ dS)
+        t = Ag[:, :, c].transpose(-1, -2) @ dvn
         dv[:, :, c] = t
-
-        dAg = (dvn @ vres.transpose(-1, -2)) * lower_incl
-        dA = -(Tmc.transpose(-1, -2) @ (dAg * beta[:, :, c, None, :]) @ Tmc.transpose(-1, -2)).tril(-1)
-        X = beta[:, :, c, :, None] * dA * gam_strict[:, :, c]
-        Pm = scale * (doc @ v_new.transpose(-1, -2)) * gam_incl[:, :, c]
-        qk = qc @ kc.transpose(-1, -2)
-
-        q_term = scale * eGc * (doc @ S.transpose(-1, -2))  # scale E dO S^T
-        w_term = -eGc * (t @ S.transpose(-1, -2))  # -E t S^T
-        s_term = tail * (v_new @ dS.transpose(-1, -2))  # exp(GL - G) v_new dS'^T
-        dq[:, :, c] = q_term + Pm @ kc
-        dk[:, :, c] = w_term + s_term + Pm.transpose(-1, -2) @ qc + X @ kc + X.transpose(-1, -2) @ kc
-        dbeta[:, :, c] = (dA * kk[:, :, c] * gam_strict[:, :, c]).sum(-1) + (dAg * Tmc).sum(-2)
-
-        YP, YA = Pm * qk, X * kk[:, :, c]
-        dG = (YP.sum(-1) - YP.sum(-2) + YA.sum(-1) - YA.sum(-2) + (q_term * qc).sum(-1) + (w_term * kc).sum(-1)
-              - (s_term * kc).sum(-1))
-        dG[..., -1] += torch.exp(GL[:, :, c]) * (S * dS).sum((-1, -2)) + (s_term * kc).sum((-1, -2))
-        dg[:, :, c] = dG.flip(-1).cumsum(-1).flip(-1)
-
+        dq[:, :, c], dk[:, :, c], dbeta[:, :, c], dg[:, :, c] = chunk_gradients(
+            qc, kc, doc, vres_all[c], dvn, t, G[:, :, c], beta[:, :, c], Tm[:, :, c], states[c], dS, scale)
         dS = torch.exp(GL[:, :, c])[..., None, None] * dS + (scale * eGc * qc).transpose(-1, -2) @ doc - (
             eGc * kc).transpose(-1, -2) @ t
     return dq, dk, dv, dg, dbeta, dS

@@ -7,9 +7,9 @@ With world size 1 the inter layer makes no collective call: intra-card CP alone.
 
 from __future__ import annotations
 
-from ..backends import choose_backend, tilelang_backward_supports
+from ..backends import choose_backend
 from ..kernels.shapes import l2norm
-from ..ops import backward_will_run
+from ..ops import backward_will_run, keep_chunk_states
 from .context import CPContext, CPError
 from .inter import InterCP, OpEngine
 from .intra import IntraEngine
@@ -56,8 +56,7 @@ def cp_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, 
         q, k = l2norm(q), l2norm(k)
     h0 = initial_state.transpose(-1, -2) if (state_v_first and initial_state is not None) else initial_state
     # as the plain op: the forward keeps its chunk states when a backward will need them
-    keep = (bool(save_states) and backward_will_run(q, k, v, g, beta, h0)
-            and tilelang_backward_supports(q.shape[-1], v.shape[-1]))
+    keep = keep_chunk_states(save_states, backward_will_run(q, k, v, g, beta, h0), q, v)
     engine = local_engine(cp, backend, q, v, save_states=keep)
     o, final = InterCP.apply(q, k, v, g, beta, h0, cp, engine, scale, output_final_state)
     if final is not None and state_v_first:
