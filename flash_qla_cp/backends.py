@@ -15,19 +15,6 @@ import torch
 
 BACKENDS = ("auto", "torch", "tilelang")
 TILELANG_HEAD_DIMS = (64, 128, 256)
-# The TileLang backward's largest head dim. At K = V = 256 its grad kernel would need 529 KB of
-# shared memory and its dh walk 238 KB at block_v 64 (lowered for sm_90a; the H200 refused the dh
-# walk: "Failed to set the allowed dynamic shared memory size to 237824"), over the 227 KB a block
-# may have: such calls run the forward in TileLang and the backward on the torch path. Ready for
-# 256, not yet run on a GPU: the walks at block_v 32 with the per-chunk gradients in torch
-# (`tilelang_bwd_impl`, `chunk_grads_torch`); raise this to 256 once tests/gpu/check_bwd.py's
-# k256 cases pass.
-TILELANG_BWD_MAX_HEAD_DIM = 128
-
-
-def tilelang_backward_supports(K: int, V: int) -> bool:
-    """Whether the TileLang backward has kernels for head dims K and V."""
-    return K <= TILELANG_BWD_MAX_HEAD_DIM and V <= TILELANG_BWD_MAX_HEAD_DIM
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,12 +7,11 @@
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
 
-from .backends import choose_backend, tilelang_backward_supports
+from .backends import choose_backend
 from .kernels.reference_backward import chunk_gated_delta_rule_bwd_reference
 from .kernels.reference_chunked import chunk_gated_delta_rule_torch
 from .kernels.shapes import l2norm
@@ -103,8 +102,8 @@ def _torch_bwd(do, dht, ctx: GDNContext):
     """The hand-written chunked backward in torch (kernels/reference_backward.py: a walk for the
     chunk states, then the reverse walk; no autograd graph). Against autograd through the chunked
     forward, which it replaced: equal to ~4e-7 in fp32, 4.7x faster on the CPU at K = V = 256,
-    T = 2048, and it keeps only the chunk states (the whole path for head dims the TileLang
-    backward lacks)."""
+    T = 2048, and it keeps only the chunk states. The backward of the torch backend, and of
+    the TileLang one with FLASH_QLA_CP_TILELANG_BWD=0."""
     h0, dht_kv = ctx.initial_state, dht
     if ctx.state_v_first:  # the walks take [K, V] states
         h0 = None if h0 is None else h0.transpose(-1, -2)
@@ -146,12 +145,7 @@ def tilelang_backward_enabled() -> bool:
 def chunk_gated_delta_rule_bwd(do, dht, ctx: GDNContext):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) given do and the final-state gradient dht (or None)."""
     if ctx.backend == "tilelang" and tilelang_backward_enabled():
-        K, V = ctx.q.shape[-1], ctx.v.shape[-1]
-        if tilelang_backward_supports(K, V):
-            return _tilelang_bwd(do, dht, ctx)
-        warnings.warn(f"chunk_gated_delta_rule: no TileLang backward for head dims K={K}, V={V} (its kernels "
-                      "would not fit in shared memory); the backward runs on the torch chunked path (slower)",
-                      stacklevel=2)
+        return _tilelang_bwd(do, dht, ctx)
     return _torch_bwd(do, dht, ctx)
 
 
@@ -162,11 +156,10 @@ def backward_will_run(*inputs) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
 
 
-def keep_chunk_states(save_states: bool, needs_backward: bool, q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the forward keeps its chunk states: asked for (save_states), a backward will run,
-    and it is the TileLang backward that reads them (head dims it has kernels for; wider heads
-    take the torch backward, which recomputes everything)."""
-    return bool(save_states) and needs_backward and tilelang_backward_supports(q.shape[-1], v.shape[-1])
+def keep_chunk_states(save_states: bool, needs_backward: bool) -> bool:
+    """Whether the forward keeps its chunk states: asked for (save_states) and a backward will
+    run (the TileLang forward then stores them where its kernel can: warp-specialised, K <= 128)."""
+    return bool(save_states) and needs_backward
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
@@ -261,7 +254,7 @@ def chunk_gated_delta_rule(
         backend=backend,
         intra_cp=intra_cp,
         cu_seqlens_cpu=cu_seqlens_cpu,
-        save_states=keep_chunk_states(save_states, needs_backward, q, v),
+        save_states=keep_chunk_states(save_states, needs_backward),
     )
     if not needs_backward:  # nothing to record: the forward alone, without autograd.Function's host cost
         o, final_state, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=initial_state, **options)

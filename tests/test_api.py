@@ -130,36 +130,25 @@ def test_forward_only_calls_skip_autograd_function(monkeypatch):
         chunk_gated_delta_rule(**leaves)
 
 
-def test_head_dims_without_tilelang_backward_fall_back_to_torch(monkeypatch):
-    # K = V = 256: the TileLang forward runs, but no TileLang backward fits in shared memory. The
-    # backward of such a call runs on the torch chunked path, with a warning; K = 128 keeps the
-    # TileLang backward.
+def test_tilelang_forward_gets_the_tilelang_backward_at_every_head_dim(monkeypatch):
+    # K = V = 256 included (the walks in TileLang, the per-chunk gradients in torch); the
+    # FLASH_QLA_CP_TILELANG_BWD=0 switch sends every head dim to the torch backward
     from flash_qla_cp import ops
 
     chosen = []
-    monkeypatch.setattr(ops, "_tilelang_bwd", lambda do, dht, ctx: chosen.append("tilelang"))
-    for dim in (256, 128):
+    monkeypatch.setattr(ops, "_tilelang_bwd", lambda do, dht, ctx: chosen.append(ctx.q.shape[-1]))
+    for dim in (256, 128, 64):
         x = _inputs(8, seq_len=20, num_heads=1, num_v_heads=2, head_k_dim=dim, head_v_dim=dim)
         o, _, ctx = chunk_gated_delta_rule_fwd(**x, backend="torch")
         do = torch.randn_like(o)
         want = chunk_gated_delta_rule_bwd(do, None, ctx)
         ctx.backend = "tilelang"  # as after a TileLang forward
-        if dim == 256:
-            with pytest.warns(UserWarning, match="K=256, V=256"):
-                got = chunk_gated_delta_rule_bwd(do, None, ctx)
-            assert all(torch.equal(a, b) for a, b in zip(got[:5], want[:5])) and chosen == []
-        else:
-            chunk_gated_delta_rule_bwd(do, None, ctx)
-            assert chosen == ["tilelang"]
-
-
-def test_wide_heads_keep_no_states(save_states_requests):
-    # chunk states are kept for the TileLang backward only; heads wider than its kernels (256)
-    # take the torch backward, which recomputes everything: nothing to keep
-    for dim in (256, 128):
-        x = _inputs(9, seq_len=10, num_heads=1, num_v_heads=1, head_k_dim=dim, head_v_dim=dim)
-        chunk_gated_delta_rule(**{n: t.requires_grad_(True) for n, t in x.items()})
-    assert save_states_requests == [False, True]
+        chunk_gated_delta_rule_bwd(do, None, ctx)
+        monkeypatch.setenv(ops.TILELANG_BWD_ENV, "0")
+        got = chunk_gated_delta_rule_bwd(do, None, ctx)
+        monkeypatch.delenv(ops.TILELANG_BWD_ENV)
+        assert all(torch.equal(a, b) for a, b in zip(got[:5], want[:5]))
+    assert chosen == [256, 128, 64]
 
 
 def test_l2norm_option_equals_normalising_first():

@@ -56,7 +56,7 @@ def cp_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, 
         q, k = l2norm(q), l2norm(k)
     h0 = initial_state.transpose(-1, -2) if (state_v_first and initial_state is not None) else initial_state
     # as the plain op: the forward keeps its chunk states when a backward will need them
-    keep = keep_chunk_states(save_states, backward_will_run(q, k, v, g, beta, h0), q, v)
+    keep = keep_chunk_states(save_states, backward_will_run(q, k, v, g, beta, h0))
     engine = local_engine(cp, backend, q, v, save_states=keep)
     o, final = InterCP.apply(q, k, v, g, beta, h0, cp, engine, scale, output_final_state)
     if final is not None and state_v_first:

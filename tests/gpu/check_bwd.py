@@ -167,6 +167,12 @@ CASES = [
     ("dense_bf16_k256_T700", dict(B=2, T=700, H=2, HV=4, K=256, V=256, dtype=torch.bfloat16)),
     ("varlen_fp16_k256_odd_fwdsaved", dict(B=1, T=1943, H=2, HV=4, K=256, V=256, dtype=torch.float16,
                                            lengths=[1, 63, 64, 65, 200, 517, 1033], use_fwd_saved=True, seed=12)),
+    # one head dim 256, the other 128: the same path (K = 128 takes the warp-specialised walks,
+    # and its warp-specialised forward keeps the chunk states that the backward then reads)
+    ("varlen_bf16_k128v256_odd_states", dict(B=1, T=1943, H=2, HV=4, K=128, V=256, dtype=torch.bfloat16,
+                                             lengths=[1, 63, 64, 65, 200, 517, 1033], use_fwd_saved=True,
+                                             save_states=True, seed=13)),
+    ("dense_fp16_k256v128_T700", dict(B=2, T=700, H=2, HV=4, K=256, V=128, dtype=torch.float16, seed=14)),
 ]
 
 

@@ -114,8 +114,12 @@ def main():
         # TP1-like (32 v-heads): 'auto' cuts 257 chunks in four, forward and backward
         ("tp1_auto", [16384 + 77], False, 32, 16, 128, "auto", False, True),
         # K = V = 256: 'auto' leaves the sequences whole (the split's scan would not fit) and the
-        # backward takes the torch path; the op must still be right end to end
+        # backward runs the TileLang walks with the per-chunk gradients in torch; the op must
+        # still be right end to end
         ("wide_k256_auto", [5000, 77], False, 4, 2, 256, "auto", False, True),
+        # T = 128k (TP8-like): one dense sequence as in the benchmark, and packed odd lengths
+        ("tp8_dense_128k_auto_noh0", [131072], True, 4, 2, 128, "auto", False, False),
+        ("tp8_varlen_128k_odd_auto", [100003, 31068, 1], False, 4, 2, 128, "auto", False, True),
     ]
     # --cases a,b runs only those (a quick check of a change to the plan); seeds stay per case
     wanted = next((a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--cases=")), None)

@@ -13,6 +13,7 @@ def specs(sms):
     import check_bwd
     import check_fwd
 
+    from flash_qla_cp.kernels.tilelang_bwd_impl import bwd_kernel_specs
     from flash_qla_cp.kernels.tilelang_fwd import default_fused_config, fwd_kernel_specs
 
     def wide(kw):
@@ -30,4 +31,7 @@ def specs(sms):
     # check_split.py's wide_k256_auto: two sequences, unsplit, with h0 and final states
     cfg = default_fused_config(2, 4, 256, sms, K=256)
     out += fwd_kernel_specs(2, 4, 256, 256, torch.bfloat16, 256**-0.5, True, True, True, False, **cfg)
+    # ... and its backward (also benchmarks/time_wide_bwd.py's): the two walks at block_v 32,
+    # no grad kernel
+    out += bwd_kernel_specs(2, 4, 256, 256, torch.bfloat16, 256**-0.5, True, True, 32)[:2]
     return out
