@@ -108,7 +108,40 @@ def _forward_cases() -> list[KernelCase]:
                 expect=("wgmma",),
             )
         )
-    return cases + _warp_specialized_cases()
+    return cases + _warp_specialized_cases() + _wide_head_cases()
+
+
+def _wide_head_cases() -> list[KernelCase]:
+    """Head dims of 256 (and 256 mixed with 128): the tiles `default_fused_config` picks there,
+    every one of which must fit in a block's shared memory."""
+    from .tilelang_fwd import build_fused_fwd_kernel, build_prepare_kernel
+    from .tilelang_fwd_ws import build_fused_fwd_ws_kernel
+    from .tilelang_fwd_ws4 import build_fused_fwd_ws4_kernel
+
+    cases = [KernelCase(name="fwd_prepare_bfloat16_k256_varlen", factory=build_prepare_kernel,
+                        params=dict(H=2, HV=4, K=256, dtype="bfloat16", is_varlen=True),
+                        entry="gdn_fwd_prepare_varlen", expect=("mma",))]
+    # (factory, K, V, block_v, varlen, state_v_first, options)
+    for factory, K, V, bv, varlen, v_first, opts in (
+        (build_fused_fwd_kernel, 256, 256, 16, True, False, {"threads": 128}),
+        (build_fused_fwd_kernel, 256, 256, 32, False, True, {"threads": 128}),
+        (build_fused_fwd_kernel, 256, 128, 16, False, False, {"threads": 128}),
+        (build_fused_fwd_ws_kernel, 128, 256, 16, False, False, {}),
+        (build_fused_fwd_ws4_kernel, 128, 256, 128, True, False, {"o_tma": True}),
+    ):
+        kind = {build_fused_fwd_ws_kernel: "ws_", build_fused_fwd_ws4_kernel: "ws4_"}.get(factory, "")
+        cases.append(
+            KernelCase(
+                name=f"fwd_fused_{kind}k{K}v{V}_bv{bv}_{'varlen' if varlen else 'dense'}",
+                factory=factory,
+                params=dict(H=2, HV=4, K=K, V=V, dtype="bfloat16", scale=K**-0.5, is_varlen=varlen,
+                            use_initial_state=True, store_final_state=True, state_v_first=v_first, block_v=bv,
+                            **opts),
+                entry="gdn_fwd_fused_varlen" if varlen else "gdn_fwd_fused",
+                expect=("wgmma",),
+            )
+        )
+    return cases
 
 
 def _warp_specialized_cases() -> list[KernelCase]:
