@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--heads", default="2,4", help="H,HV")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--peers", action="store_true", help="also FlashQLA (compiles its kernels; may refuse)")
+    ap.add_argument("--profile", action="store_true", help="print the TileLang path's GPU time per kernel")
     args = ap.parse_args()
     import triton
     import triton.testing as tt
@@ -85,6 +86,17 @@ def main():
         rows[name] = {"fwd_bwd_ms": round(ms, 3), "peak_gib": round(peak, 2)}
         print(json.dumps({"path": name, **rows[name]}), flush=True)
     os.environ[TILELANG_BWD_ENV] = "1"
+    if args.profile:  # where the TileLang path's time goes: walks, per-chunk torch ops, forward
+        from torch.profiler import ProfilerActivity, profile
+
+        step = fwd_bwd_fn(x, h0, do, dht, ours)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        print(table, flush=True)
+        rows["profile_top"] = table
     # the two paths compute the same gradients (both against bf16 rounding of the same forward)
     diff = {n: float((a - b).norm() / b.norm().clamp_min(1e-30))
             for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads["tilelang_walks"], grads["torch_bwd"])}
