@@ -173,6 +173,9 @@ CASES = [
                                              lengths=[1, 63, 64, 65, 200, 517, 1033], use_fwd_saved=True,
                                              save_states=True, seed=13)),
     ("dense_fp16_k256v128_T700", dict(B=2, T=700, H=2, HV=4, K=256, V=128, dtype=torch.float16, seed=14)),
+    ("varlen_bf16_k64v256_odd_fwdsaved", dict(B=1, T=1943, H=2, HV=4, K=64, V=256, dtype=torch.bfloat16,
+                                              lengths=[1, 63, 64, 65, 200, 517, 1033], use_fwd_saved=True,
+                                              seed=15)),
 ]
 
 

@@ -201,6 +201,8 @@ CASES = [
     ("dense_bf16_k128v256_h2hv4", dict(B=1, T=700, H=2, HV=4, K=128, V=256, dtype=torch.bfloat16)),
     ("dense_bf16_k256v128_h2hv4", dict(B=2, T=300, H=2, HV=4, K=256, V=128, dtype=torch.bfloat16,
                                        ref="recurrent")),
+    ("varlen_bf16_k64v256_h2hv4", dict(B=1, T=1000, H=2, HV=4, K=64, V=256, dtype=torch.bfloat16,
+                                       cu=[0, 1, 65, 200, 777, 1000])),
 ]
 
 
