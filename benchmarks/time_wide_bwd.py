@@ -22,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from flash_qla_cp import chunk_gated_delta_rule  # noqa: E402
+from flash_qla_cp.kernels import tilelang_bwd_impl  # noqa: E402
 from flash_qla_cp.ops import TILELANG_BWD_ENV  # noqa: E402
 
 
@@ -58,6 +59,8 @@ def main():
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--peers", action="store_true", help="also FlashQLA (compiles its kernels; may refuse)")
     ap.add_argument("--profile", action="store_true", help="print the TileLang path's GPU time per kernel")
+    ap.add_argument("--wide-kernel", action="store_true",
+                    help="also the V-sliced grad kernel in place of the torch per-chunk gradients")
     args = ap.parse_args()
     import triton
     import triton.testing as tt
@@ -75,8 +78,12 @@ def main():
                                       cu_seqlens_cpu=cu, backend="tilelang")
 
     rows, grads = {}, {}
-    for name, tilelang_bwd in (("torch_bwd", "0"), ("tilelang_walks", "1")):
+    paths = [("torch_bwd", "0", "torch"), ("tilelang_walks", "1", "torch")]
+    if args.wide_kernel:
+        paths.append(("tilelang_walks_grad_kernel", "1", "kernel"))
+    for name, tilelang_bwd, wide_grads in paths:
         os.environ[TILELANG_BWD_ENV] = tilelang_bwd  # read at every backward call
+        tilelang_bwd_impl.WIDE_GRADS = wide_grads
         step = fwd_bwd_fn(x, h0, do, dht, ours)
         grads[name] = [t.float() for t in step()]
         ms = tt.do_bench(step, warmup=50, rep=300, return_mode="median")
@@ -86,6 +93,7 @@ def main():
         rows[name] = {"fwd_bwd_ms": round(ms, 3), "peak_gib": round(peak, 2)}
         print(json.dumps({"path": name, **rows[name]}), flush=True)
     os.environ[TILELANG_BWD_ENV] = "1"
+    tilelang_bwd_impl.WIDE_GRADS = "kernel" if args.wide_kernel else "torch"
     if args.profile:  # where the TileLang path's time goes: walks, per-chunk torch ops, forward
         from torch.profiler import ProfilerActivity, profile
 
@@ -98,9 +106,11 @@ def main():
         print(table, flush=True)
         rows["profile_top"] = table
     # the two paths compute the same gradients (both against bf16 rounding of the same forward)
-    diff = {n: float((a - b).norm() / b.norm().clamp_min(1e-30))
-            for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads["tilelang_walks"], grads["torch_bwd"])}
-    print(json.dumps({"rel_diff_between_paths": {k: round(v, 6) for k, v in diff.items()}}), flush=True)
+    diff = {f"{path} vs torch_bwd": {
+        n: round(float((a - b).norm() / b.norm().clamp_min(1e-30)), 6)
+        for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[path], grads["torch_bwd"])}
+        for path in grads if path != "torch_bwd"}
+    print(json.dumps({"rel_diff_between_paths": diff}), flush=True)
 
     if args.peers:
         try:

@@ -79,9 +79,10 @@ def test_chunk_grads_equal_the_hand_written_backward(heads, v_heads, dim, batch)
 
 
 def test_wide_heads_backward_end_to_end_with_stand_in_walks():
-    """The TileLang backward at K = V = 256 on the CPU: the two walks replaced by torch stand-ins
-    that write what the kernels write (from `walks`, float64, into the kernels' bf16 / fp32
-    buffers), the rest as on the GPU (buffer plumbing, `chunk_grads_from_states`). All six
+    """The TileLang backward at K = V = 256 on the CPU, with WIDE_GRADS = "torch": the two walks
+    replaced by torch stand-ins that write what the kernels write (from `walks`, float64, into
+    the kernels' bf16 / fp32 buffers), the rest as on the GPU (buffer plumbing,
+    `chunk_grads_from_states`). All six
     gradients against the hand-written backward, within the bf16 limits of the GPU checks."""
     from unittest import mock
 
@@ -126,6 +127,7 @@ def test_wide_heads_backward_end_to_end_with_stand_in_walks():
 
     bf = {n: (t.to(torch.bfloat16) if n in "qkv" else t.float()) for n, t in x.items()}
     with mock.patch.object(tilelang_bwd_impl, "compile_kernel", compile_kernel), \
+            mock.patch.object(tilelang_bwd_impl, "WIDE_GRADS", "torch"), \
             mock.patch("flash_qla_cp.kernels.tilelang_fwd.compile_kernel", compile_kernel), \
             mock.patch.object(tilelang_bwd_impl.tilelang_common, "sm_count", lambda device: 132):
         got = tilelang_bwd_impl.tilelang_chunk_gated_delta_rule_bwd(

@@ -101,8 +101,9 @@ def test_wide_heads_stay_whole():
 
 
 def test_wide_heads_backward_runs_the_walks_then_torch_chunk_grads():
-    """K = V = 256: the two walks in TileLang (the dh walk at block_v 32, where it fits in shared
-    memory), then `chunk_grads_from_states` in place of the grad kernel (which would not fit)."""
+    """K = V = 256 with WIDE_GRADS = "torch": the two walks in TileLang (the dh walk at block_v
+    32, where it fits in shared memory), then `chunk_grads_from_states` in place of the grad
+    kernel (which would not fit)."""
     q, k, v, g, beta = inputs(5000, 2, 4, D=256)
     calls = []
 
@@ -110,12 +111,28 @@ def test_wide_heads_backward_runs_the_walks_then_torch_chunk_grads():
         calls.append((h_st.shape, dh_st.shape, ctab.shape))
         return torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(gcum), torch.zeros_like(gcum)
 
-    with mock.patch.object(tilelang_bwd_impl, "chunk_grads_from_states", chunk_grads):
+    with mock.patch.object(tilelang_bwd_impl, "chunk_grads_from_states", chunk_grads), \
+            mock.patch.object(tilelang_bwd_impl, "WIDE_GRADS", "torch"):
         grads, launches, _ = run_recorded(fwd_bwd(q, k, v, g, beta, h0=torch.zeros(1, 4, 256, 256)))
     assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_kernel", "build_bwd_h_kernel",
                                 "build_bwd_dh_kernel"]
     assert launches.calls[2][1]["block_v"] == launches.calls[3][1]["block_v"] == 32
     assert calls[-1] == ((79, 4, 256, 256), (79, 4, 256, 256), (79, 2))  # ceil(5000 / 64) chunks (run_recorded calls twice)
+    assert_launches_match_signatures(launches)
+    assert [t.shape for t in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
+
+
+@pytest.mark.parametrize("H", [2, 4])
+def test_wide_heads_backward_with_the_sliced_grad_kernel(H):
+    """K = V = 256 with WIDE_GRADS = "kernel" (the default): the two walks, then the V-sliced
+    grad kernel, and (GVA) the v-head sum of its dq / dk parts."""
+    q, k, v, g, beta = inputs(5000, H, 4, D=256)
+    with mock.patch.object(tilelang_bwd_impl, "WIDE_GRADS", "kernel"), \
+            mock.patch.object(tilelang_bwd_impl, "chunk_grads_from_states", None):  # must not be called
+        grads, launches, _ = run_recorded(fwd_bwd(q, k, v, g, beta, h0=torch.zeros(1, 4, 256, 256)))
+    names = ["build_prepare_kernel", "build_fused_fwd_kernel", "build_bwd_h_kernel", "build_bwd_dh_kernel",
+             "build_bwd_grad_wide_kernel"]
+    assert launches.names() == names + (["build_v_head_sum_kernel"] if H < 4 else [])
     assert_launches_match_signatures(launches)
     assert [t.shape for t in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
 

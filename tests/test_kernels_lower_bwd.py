@@ -20,7 +20,7 @@ from flash_qla_cp.kernels.tilelang_bwd_impl import lowering_cases  # noqa: E402
 ALL = lowering_cases()
 if os.environ.get("FLASH_QLA_CP_LOWER_ALL", "0") not in ("1", "true", "yes"):
     CASES = [c for c in ALL if c[0].endswith("_bfloat16_k128") or c[0].endswith("_float16_k64") or "_ws_" in c[0]
-             or c[3] == "gdn_bwd_fused_ws"]
+             or c[3] in ("gdn_bwd_fused_ws", "gdn_bwd_grad_wide")]
 else:
     CASES = ALL
 
@@ -28,7 +28,7 @@ else:
 def test_cases_cover_every_kernel():
     entries = {c[3] for c in CASES}
     assert {"gdn_bwd_h", "gdn_bwd_dh", "gdn_bwd_dh_limited", "gdn_bwd_grad_group", "gdn_bwd_fused_ws",
-            "gdn_v_head_sum"} <= entries
+            "gdn_v_head_sum", "gdn_bwd_grad_wide"} <= entries
     assert any("float16_k64" in c[0] for c in CASES) and any("bfloat16_k128" in c[0] for c in CASES)
 
 

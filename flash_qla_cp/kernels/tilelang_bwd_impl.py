@@ -61,6 +61,7 @@ from .tilelang_common import (CHUNK, chunk_table, compile_kernel, grid_fills_gpu
 from .tilelang_common import chunk_offsets as chunk_offsets_of
 from .chunk_grads_torch import chunk_grads_from_states
 from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
+from .tilelang_bwd_grad_wide import build_bwd_grad_wide_kernel
 from .tilelang_fwd import prepare_fwd
 from .tilelang_split import plan_split, scan_partitions
 from .tilelang_v_head_sum import build_v_head_sum_kernel
@@ -941,7 +942,11 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
             else:
                 k_dh(qf, kf, dof, ag, gcum, cu, chunk_offsets, order, dhtf, dh_st, dvn, dv, dh0)
         if wide:
-            dq, dk, dg, db = chunk_grads_from_states(qf, kf, dof, vres, dvn, gcum, b32, h_st, dh_st, cu, ctab, scale)
+            if WIDE_GRADS == "kernel":
+                _wide_grads(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, scale, dq, dk, dg, db)
+            else:
+                dq, dk, dg, db = chunk_grads_from_states(qf, kf, dof, vres, dvn, gcum, b32, h_st, dh_st, cu, ctab,
+                                                         scale)
         elif not fused_walk:
             k_grad(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq, dk, dg, db)
     else:
@@ -999,10 +1004,47 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order
     dk_part = torch.empty_like(dq_part)
     kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq_part, dk_part, dv, dg, db,
          dh0)
+    _sum_v_heads(dq_part, dk_part, dq, dk)
+
+
+def _sum_v_heads(dq_part, dk_part, dq, dk):
+    """dq / dk [1, T, H, K] = the sums of per-v-head parts [1, T, HV, K] over each qk-head's
+    v-heads (`tilelang_v_head_sum`)."""
+    _, Ttot, HV, K = dq_part.shape
+    H = dq.shape[2]
     group = HV // H
-    summed = compile_kernel(build_v_head_sum_kernel, H=H, group=group, K=K, dtype=tl_dtype(qf.dtype))
+    summed = compile_kernel(build_v_head_sum_kernel, H=H, group=group, K=K, dtype=tl_dtype(dq.dtype))
     summed(dq_part.view(Ttot, H, group, K), dk_part.view(Ttot, H, group, K), dq.view(Ttot, H, K),
            dk.view(Ttot, H, K))
+
+
+# Per-chunk gradients for head dims past 128 (the grad kernel does not fit there): "kernel"
+# (`tilelang_bwd_grad_wide`: V in slices, one block per (chunk, v-head)) or "torch"
+# (`chunk_grads_torch`). Both pass tests/gpu/check_bwd.py's wide cases; H200, 2 x 16k tokens,
+# heads 2 / 4 of 256, fwd+bwd: 5.8 ms with the kernel, 16.8 with torch (peak 2.2 vs 5.3 GiB).
+WIDE_GRADS = "kernel"
+
+
+def wide_grad_kernel_specs(H, HV, K, V, dtype, scale):
+    """[(factory, params)] of the wide-head grad kernel and, with HV > H, its v-head sum."""
+    dtype = tl_dtype(dtype)
+    specs = [(build_bwd_grad_wide_kernel, dict(H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale)))]
+    if HV > H:
+        specs.append((build_v_head_sum_kernel, dict(H=H, group=HV // H, K=K, dtype=dtype)))
+    return specs
+
+
+def _wide_grads(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, scale, dq, dk, dg, db):
+    """dq / dk / dg / dbeta of every chunk by `build_bwd_grad_wide_kernel`, summed over v-heads."""
+    _, Ttot, H, K = qf.shape
+    HV, V = dof.shape[2], dof.shape[3]
+    factory, params = wide_grad_kernel_specs(H, HV, K, V, qf.dtype, scale)[0]
+    kern = compile_kernel(factory, **params)
+    dq_part, dk_part = (dq, dk) if HV == H else (torch.empty(1, Ttot, HV, K, dtype=qf.dtype, device=qf.device)
+                                                 for _ in range(2))
+    kern(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq_part, dk_part, dg, db)
+    if HV != H:
+        _sum_v_heads(dq_part, dk_part, dq, dk)
 
 
 def sum_v_head_parts(parts, out):
@@ -1058,4 +1100,7 @@ def lowering_cases():
         cases.append((f"gdn_bwd_fused_ws_k{dim}{'' if states else '_nostate'}", build_bwd_fused_ws_kernel,
                       dict(H=2, HV=4, K=dim, V=dim, dtype="bfloat16", scale=dim**-0.5, use_dht=states,
                            store_dh0=states), "gdn_bwd_fused_ws"))
+    # the grad kernel of head dims past 128 (WIDE_GRADS = "kernel")
+    cases.append(("gdn_bwd_grad_wide_k256", build_bwd_grad_wide_kernel,
+                  dict(H=2, HV=4, K=256, V=256, dtype="bfloat16", scale=256**-0.5), "gdn_bwd_grad_wide"))
     return cases

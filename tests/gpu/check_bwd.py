@@ -205,7 +205,8 @@ def specs_for(kw):
     wide = max(K, V) > 128  # the walks at block_v 32, no grad kernel (tilelang_bwd_impl)
     out = bwd.bwd_kernel_specs(kw["H"], kw["HV"], K, V, kw["dtype"], K**-0.5, kw.get("with_h0", True),
                                kw.get("with_dht", True), kw.get("block_v") or (32 if wide else None))
-    out = out[:2] if wide else out
+    # wide: the two walks, and the grad kernel sliced over V (--wide-grads kernel)
+    out = out[:2] + bwd.wide_grad_kernel_specs(kw["H"], kw["HV"], K, V, kw["dtype"], K**-0.5) if wide else out
     from flash_qla_cp.kernels.tilelang_fwd import build_prepare_kernel, default_fused_config, fwd_kernel_specs
 
     if kw.get("use_fwd_saved"):  # the tiles the forward picks on an H200 (132 SMs)
@@ -340,8 +341,12 @@ def main():
     ap.add_argument("--h-kernel", default=None, choices=bwd.WALK_KERNELS, help="the h walk the checks use")
     ap.add_argument("--fused-walk", default=None, choices=("auto", "on", "off"),
                     help="dh walk + grad kernel as one fused walk: where it fills the GPU, always, never")
+    ap.add_argument("--wide-grads", default=None, choices=("torch", "kernel"),
+                    help="per-chunk gradients of head dims past 128: torch ops or the V-sliced kernel")
     ap.add_argument("--cases", default=None, help="comma-separated case names: run only those")
     args = ap.parse_args()
+    if args.wide_grads:
+        bwd.WIDE_GRADS = args.wide_grads
     if args.dh_kernel:
         bwd.DEFAULT_DH_KERNEL = args.dh_kernel
     if args.h_kernel:
