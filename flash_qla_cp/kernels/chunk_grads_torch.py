@@ -2,8 +2,9 @@
 
 The TileLang backward's grad kernel (`tilelang_bwd_impl.build_bwd_grad_group_kernel`) does not fit
 in shared memory for head dims above 128. For those, the h walk and the dh walk still run in
-TileLang (they fit at block_v 32 for K = V = 256), and this module takes the grad kernel's place:
-the same inputs (packed [1, T, ...] tensors, the states entering and the gradients leaving each
+TileLang (they fit at block_v 32 for K = V = 256), and the per-chunk gradients come from the
+V-sliced kernel (`tilelang_bwd_grad_wide`) or, with `tilelang_bwd_impl.WIDE_GRADS = "torch"`,
+from this module (about 3x slower there, and twice the memory): the same inputs (packed [1, T, ...] tensors, the states entering and the gradients leaving each
 chunk in chunk-table order), the same outputs (dq, dk per qk-head, dg, dbeta per v-head).
 
 The formulas are `reference_backward.chunk_gradients` (the hand-written backward's per-chunk

@@ -872,8 +872,9 @@ def tilelang_chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initia
         h_kernel = SPLIT_H_KERNEL
     sms = tilelang_common.sm_count(dev)
     # Head dims past 128: the grad kernel does not fit in shared memory (529 KB at K = V = 256), so
-    # every chunk's dq / dk / dg / dbeta come from `chunk_grads_torch` after the two walks; the dh
-    # walk fits at block_v 32 (209 KB; 238 KB at 64). The forward never splits such heads.
+    # every chunk's dq / dk / dg / dbeta come from the V-sliced grad kernel (WIDE_GRADS) after the
+    # two walks; the dh walk fits at block_v 32 (209 KB; 238 KB at 64). The forward never splits
+    # such heads.
     wide = max(K, V) > 128
     assert not (wide and split is not None), "the forward does not split heads wider than 128"
     if block_v is None and wide:
