@@ -10,14 +10,15 @@ contracts over V:
 
 (v_new = Ag vres and t = Ag^T dvn are formed per slice), and to the row sums that dg needs
 (q . (dO S^T) as rowsum(dO o q S), and likewise for the two dk terms), so that no K x V tile and
-no second C x K accumulator is ever held. After the slices, the C x C part is the grad kernel's:
-dA from dAg, the decay gates, dbeta, the reverse cumulative sum of dg, and Pm k, Pm^T q, dKK k,
-dKK^T k into dq and dk.
+no second C x K accumulator is ever held. After the slices, the C x C part is the grad kernel's
+(`tilelang_bwd_chunk_terms`): dKK from dAg, the decay gates, dbeta, the reverse cumulative sum of
+dg, and Pm k, Pm^T q, dKK k, dKK^T k into dq and dk.
 
 dq / dk come out per v-head ([1, T, HV, K], the input dtype); with HV > H the caller sums each
 qk-head's v-heads (`tilelang_v_head_sum`), as after the fused walk.
 """
 
+from .tilelang_bwd_chunk_terms import chunk_terms
 from .tilelang_common import CHUNK, import_tilelang, tl_dtype
 
 LOG2E = 1.4426950408889634
@@ -34,6 +35,7 @@ def build_bwd_grad_wide_kernel(H: int, HV: int, K: int, V: int, dtype: str, scal
     RS = 32  # rows per slice of the <S, dS'> sum
     assert HV % H == 0 and K % RS == 0 and V % BV == 0 and BV % 16 == 0
     scale = float(scale)
+    dag_terms, dkk_terms, pm_terms, store_dg_dbeta = chunk_terms(T, scale)
 
     Ttot = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -96,6 +98,7 @@ def build_bwd_grad_wide_kernel(H: int, HV: int, K: int, V: int, dtype: str, scal
             pm_f = T.alloc_fragment((C, C), acc)
             cv_f = T.alloc_fragment((C, BV), acc)
             cc_f = T.alloc_fragment((C, C), acc)
+            kk_f = T.alloc_fragment((C, C), acc)
             x_f = T.alloc_fragment((C, C), acc)
             hd_f = T.alloc_fragment((RS, BV), acc)
             rq_f = T.alloc_fragment((C,), acc)
@@ -186,41 +189,12 @@ def build_bwd_grad_wide_kernel(H: int, HV: int, K: int, V: int, dtype: str, scal
             T.reduce_sum(hrow_f, one_f, dim=0)
             sc_s[0] = one_f[0] * T.exp2(glast * LOG2E)
 
-            # dAg = tril_incl(dvn vres^T); colsum(dAg o Ag) feeds dbeta
-            for i, j in T.Parallel(C, C):
-                cc_f[i, j] = T.if_then_else(i >= j, dag_f[i, j], T.float32(0))
-            T.copy(cc_f, m1_s)
-            for i, j in T.Parallel(C, C):
-                x_f[i, j] = cc_f[i, j] * a_s[i, j]
-            T.reduce_sum(x_f, col_f, dim=0)
-            T.copy(col_f, r_ab)
-            # dKK = -(Ag^T (dAg Ag^T)) gated, strictly lower; its products with k k^T feed dg / dbeta
-            T.gemm(m1_s, a_s, cc_f, transpose_B=True, clear_accum=True)
-            T.copy(cc_f, m2_s)
-            T.gemm(a_s, m2_s, dag_f, transpose_A=True, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                dag_f[i, j] = -dag_f[i, j] * T.exp2(T.min(g_s[i] - g_s[j], T.float32(0)) * LOG2E)
-            T.gemm(k_s, k_s, x_f, transpose_B=True, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                dag_f[i, j] = T.if_then_else(i > j, dag_f[i, j], T.float32(0))
-                x_f[i, j] = dag_f[i, j] * x_f[i, j]
-            T.copy(dag_f, m2_s)
-            T.reduce_sum(x_f, row_f, dim=1)
-            T.reduce_sum(x_f, col_f, dim=0)
-            T.copy(row_f, r_2r)
-            T.copy(col_f, r_2c)
-            # Pm = scale tril_incl(dO v_new^T o Gam); its product with q k^T feeds dg
-            for i, j in T.Parallel(C, C):
-                pm_f[i, j] = pm_f[i, j] * T.exp2(T.min(g_s[i] - g_s[j], T.float32(0)) * LOG2E) * scale
-            T.gemm(q_s, k_s, x_f, transpose_B=True, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                pm_f[i, j] = T.if_then_else(i >= j, pm_f[i, j], T.float32(0))
-                x_f[i, j] = pm_f[i, j] * x_f[i, j]
-            T.copy(pm_f, m1_s)
-            T.reduce_sum(x_f, row_f, dim=1)
-            T.reduce_sum(x_f, col_f, dim=0)
-            T.copy(row_f, r_1r)
-            T.copy(col_f, r_1c)
+            # the C x C terms (tilelang_bwd_chunk_terms): dAg, dKK with k k^T, Pm with q k^T
+            dag_terms(dag_f, x_f, a_s, m1_s, col_f, r_ab)
+            T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+            dkk_terms(cc_f, dag_f, x_f, kk_f, a_s, m1_s, m2_s, g_s, row_f, col_f, r_2r, r_2c)
+            T.gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)
+            pm_terms(pm_f, x_f, cc_f, g_s, m1_s, row_f, col_f, r_1r, r_1c)
 
             # dq += Pm k;  dk += Pm^T q + dKK k + dKK^T k
             T.gemm(m1_s, k_s, dq_f)
@@ -228,19 +202,7 @@ def build_bwd_grad_wide_kernel(H: int, HV: int, K: int, V: int, dtype: str, scal
             T.gemm(m2_s, k_s, dk_f)
             T.gemm(m2_s, k_s, dk_f, transpose_A=True)
 
-            # dG, reverse cumsum inside the chunk, dbeta
-            for i in T.Parallel(C):
-                dg_s[i] = (
-                    r_q[i] + r_kw[i] - r_kd[i] + r_1r[i] - r_1c[i] + r_2r[i] - r_2c[i]
-                    + T.if_then_else(i == L - 1, sc_s[0] + sc_s[1], T.float32(0))
-                )
-            T.cumsum(dg_s, dim=0, reverse=True)
-            for i in T.Parallel(C):
-                if i < L:
-                    dg_out[0, t0 + i, bhv] = dg_s[i]
-                    db_out[0, t0 + i, bhv] = T.if_then_else(
-                        b_s[i] != T.float32(0), (r_2r[i] + r_ab[i]) / b_s[i], T.float32(0)
-                    )
+            store_dg_dbeta(r_q, r_kw, r_kd, r_1r, r_1c, r_2r, r_2c, r_ab, sc_s, dg_s, b_s, dg_out, db_out, t0, bhv, L)
             for i, d in T.Parallel(C, K):
                 if i < L:
                     dq_part[0, t0 + i, bhv, d] = dq_f[i, d]

@@ -61,6 +61,7 @@ from .tilelang_common import (CHUNK, chunk_table, compile_kernel, grid_fills_gpu
 from .tilelang_common import chunk_offsets as chunk_offsets_of
 from .chunk_grads_torch import chunk_grads_from_states
 from .tilelang_bwd_fused_ws import build_bwd_fused_ws_kernel
+from .tilelang_bwd_chunk_terms import chunk_terms
 from .tilelang_bwd_grad_wide import build_bwd_grad_wide_kernel
 from .tilelang_fwd import prepare_fwd
 from .tilelang_split import plan_split, scan_partitions
@@ -434,6 +435,7 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
     scale = float(scale)
     RS = 32  # rows per slice of the <S, dS'> reduction
     assert K % RS == 0
+    dag_terms, dkk_terms, pm_terms, store_dg_dbeta = chunk_terms(T, scale)
 
     Ttot = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -566,46 +568,17 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.copy(cv_f, vn_s)
                 # dAg = tril_incl(dvn vres^T); colsum(dAg o Ag) feeds dbeta
                 T.gemm(dvn_s, vr_s, cc_f, transpose_B=True, clear_accum=True)
-                for i, jj in T.Parallel(C, C):
-                    cc_f[i, jj] = T.if_then_else(i >= jj, cc_f[i, jj], T.float32(0))
-                T.copy(cc_f, m1_s)
-                for i, jj in T.Parallel(C, C):
-                    x_f[i, jj] = cc_f[i, jj] * a_s[i, jj]
-                T.reduce_sum(x_f, col_f, dim=0)
-                T.copy(col_f, r_ab)
+                dag_terms(cc_f, x_f, a_s, m1_s, col_f, r_ab)
                 # t = Ag^T dvn (= dv); keep -t
                 T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
                 for i, d in T.Parallel(C, V):
                     cv_f[i, d] = -cv_f[i, d]
                 T.copy(cv_f, tn_s)
-                # BdA = -Ag^T (dAg Ag^T)
-                T.gemm(m1_s, a_s, cc_f, transpose_B=True, clear_accum=True)
-                T.copy(cc_f, m2_s)
-                T.gemm(a_s, m2_s, cc2_f, transpose_A=True, clear_accum=True)
-                # gate, mask, store in loops of their own (the elementwise rule, tilelang_common).
-                # G falls along the chunk, so the clamp changes only masked entries.
-                for i, jj in T.Parallel(C, C):
-                    cc2_f[i, jj] = -cc2_f[i, jj] * T.exp2(T.min(g_s[i] - g_s[jj], T.float32(0)) * LOG2E)
-                for i, jj in T.Parallel(C, C):
-                    cc2_f[i, jj] = T.if_then_else(i > jj, cc2_f[i, jj], T.float32(0))
-                    x_f[i, jj] = cc2_f[i, jj] * kk_f[i, jj]
-                T.copy(cc2_f, m2_s)
-                T.reduce_sum(x_f, row_f, dim=1)
-                T.reduce_sum(x_f, col_f, dim=0)
-                T.copy(row_f, r_2r)
-                T.copy(col_f, r_2c)
+                # dKK = -(Ag^T (dAg Ag^T)) gated, strictly lower
+                dkk_terms(cc_f, cc2_f, x_f, kk_f, a_s, m1_s, m2_s, g_s, row_f, col_f, r_2r, r_2c)
                 # Pm = scale tril_incl(dO v_new^T o Gam)
                 T.gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
-                for i, jj in T.Parallel(C, C):
-                    cc2_f[i, jj] = cc2_f[i, jj] * T.exp2(T.min(g_s[i] - g_s[jj], T.float32(0)) * LOG2E) * scale
-                for i, jj in T.Parallel(C, C):
-                    cc2_f[i, jj] = T.if_then_else(i >= jj, cc2_f[i, jj], T.float32(0))
-                    x_f[i, jj] = cc2_f[i, jj] * qk_f[i, jj]
-                T.copy(cc2_f, m1_s)
-                T.reduce_sum(x_f, row_f, dim=1)
-                T.reduce_sum(x_f, col_f, dim=0)
-                T.copy(row_f, r_1r)
-                T.copy(col_f, r_1c)
+                pm_terms(cc2_f, x_f, qk_f, g_s, m1_s, row_f, col_f, r_1r, r_1c)
 
                 # dq += scale E dO S^T + Pm k
                 T.gemm(do_s, h_s, tmp_f, transpose_B=True, clear_accum=True)
@@ -643,19 +616,8 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.gemm(m2_s, k_s, dk_f)
                 T.gemm(m2_s, k_s, dk_f, transpose_A=True)
 
-                # dG, reverse cumsum inside the chunk, dbeta
-                for i in T.Parallel(C):
-                    dg_s[i] = (
-                        r_q[i] + r_kw[i] - r_kd[i] + r_1r[i] - r_1c[i] + r_2r[i] - r_2c[i]
-                        + T.if_then_else(i == L - 1, sc_s[0] + sc_s[1], T.float32(0))
-                    )
-                T.cumsum(dg_s, dim=0, reverse=True)
-                for i in T.Parallel(C):
-                    if i < L:
-                        dg_out[0, t0 + i, bhv] = dg_s[i]
-                        db_out[0, t0 + i, bhv] = T.if_then_else(
-                            b_s[i] != T.float32(0), (r_2r[i] + r_ab[i]) / b_s[i], T.float32(0)
-                        )
+                store_dg_dbeta(r_q, r_kw, r_kd, r_1r, r_1c, r_2r, r_2c, r_ab, sc_s, dg_s, b_s, dg_out, db_out, t0, bhv,
+                               L)
 
             if L == C:
                 T.copy(dq_f, dq_out[0, t0 : t0 + C, bh, :])
