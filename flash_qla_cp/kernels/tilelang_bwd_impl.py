@@ -956,25 +956,32 @@ def _fused_walk(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order
                 dq, dk, dv, dg, db, dh0):
     """Run the fused walk; dq / dk (per qk-head) are the sums of its per-v-head parts, rounded to
     the input dtype like the peer's (with HV == H the walk writes dq and dk themselves)."""
-    _, Ttot, H, K = qf.shape
+    H, K = qf.shape[2], qf.shape[3]
     HV = dof.shape[2]
     kern = compile_kernel(build_bwd_fused_ws_kernel, H=H, HV=HV, K=K, V=dof.shape[3], dtype=tl_dtype(qf.dtype),
                           scale=float(scale), use_dht=bool(use_dht), store_dh0=bool(store_dh0))
-    if HV == H:
-        kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq, dk, dv, dg, db, dh0)
-        return
-    dq_part = torch.empty(1, Ttot, HV, K, dtype=qf.dtype, device=qf.device)
-    dk_part = torch.empty_like(dq_part)
+    dq_part, dk_part = _v_head_parts(dq, dk, HV)
     kern(qf, kf, dof, vres, ag, gcum, b32, h_st, cu, chunk_offsets, order, exit_grad, dq_part, dk_part, dv, dg, db,
          dh0)
     _sum_v_heads(dq_part, dk_part, dq, dk)
 
 
+def _v_head_parts(dq, dk, HV):
+    """Where a kernel that writes dq / dk per v-head puts them: dq and dk themselves when every
+    qk-head has one v-head, else [1, T, HV, K] buffers for `_sum_v_heads`."""
+    _, Ttot, H, K = dq.shape
+    if HV == H:
+        return dq, dk
+    return (torch.empty(1, Ttot, HV, K, dtype=dq.dtype, device=dq.device) for _ in range(2))
+
+
 def _sum_v_heads(dq_part, dk_part, dq, dk):
     """dq / dk [1, T, H, K] = the sums of per-v-head parts [1, T, HV, K] over each qk-head's
-    v-heads (`tilelang_v_head_sum`)."""
+    v-heads (`tilelang_v_head_sum`); nothing to do when the parts are dq and dk themselves."""
     _, Ttot, HV, K = dq_part.shape
     H = dq.shape[2]
+    if HV == H:
+        return
     group = HV // H
     summed = compile_kernel(build_v_head_sum_kernel, H=H, group=group, K=K, dtype=tl_dtype(dq.dtype))
     summed(dq_part.view(Ttot, H, group, K), dk_part.view(Ttot, H, group, K), dq.view(Ttot, H, K),
@@ -999,15 +1006,13 @@ def wide_grad_kernel_specs(H, HV, K, V, dtype, scale):
 
 def _wide_grads(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, scale, dq, dk, dg, db):
     """dq / dk / dg / dbeta of every chunk by `build_bwd_grad_wide_kernel`, summed over v-heads."""
-    _, Ttot, H, K = qf.shape
+    H, K = qf.shape[2], qf.shape[3]
     HV, V = dof.shape[2], dof.shape[3]
     factory, params = wide_grad_kernel_specs(H, HV, K, V, qf.dtype, scale)[0]
     kern = compile_kernel(factory, **params)
-    dq_part, dk_part = (dq, dk) if HV == H else (torch.empty(1, Ttot, HV, K, dtype=qf.dtype, device=qf.device)
-                                                 for _ in range(2))
+    dq_part, dk_part = _v_head_parts(dq, dk, HV)
     kern(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq_part, dk_part, dg, db)
-    if HV != H:
-        _sum_v_heads(dq_part, dk_part, dq, dk)
+    _sum_v_heads(dq_part, dk_part, dq, dk)
 
 
 def sum_v_head_parts(parts, out):
