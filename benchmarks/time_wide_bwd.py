@@ -17,9 +17,11 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_kernels import make_inputs  # noqa: E402
 
 from flash_qla_cp import chunk_gated_delta_rule  # noqa: E402
 from flash_qla_cp.kernels import tilelang_bwd_impl  # noqa: E402
@@ -27,14 +29,9 @@ from flash_qla_cp.ops import TILELANG_BWD_ENV  # noqa: E402
 
 
 def inputs(lengths, H, HV, D, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    T = sum(lengths)
-    q = F.normalize(torch.randn(1, T, H, D, device="cuda", generator=gen), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(1, T, H, D, device="cuda", generator=gen), dim=-1).bfloat16()
-    v = torch.randn(1, T, HV, D, device="cuda", generator=gen).bfloat16()
-    rate = torch.exp(torch.linspace(-4, 1, HV, device="cuda"))
-    g = -rate * F.softplus(torch.randn(1, T, HV, device="cuda", generator=gen) + 0.5)
-    beta = torch.sigmoid(torch.randn(1, T, HV, device="cuda", generator=gen))
+    """bench_kernels' inputs for the packed sequences, an initial state per sequence, cu_seqlens."""
+    q, k, v, g, beta = make_inputs(1, sum(lengths), H, HV, D, D, seed=seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     h0 = torch.randn(len(lengths), HV, D, D, device="cuda", generator=gen) * 0.1
     cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
     return dict(q=q, k=k, v=v, g=g, beta=beta), h0, cu
