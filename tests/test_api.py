@@ -131,7 +131,7 @@ def test_forward_only_calls_skip_autograd_function(monkeypatch):
 
 
 def test_tilelang_forward_gets_the_tilelang_backward_at_every_head_dim(monkeypatch):
-    # K = V = 256 included (the walks in TileLang, the per-chunk gradients in torch); the
+    # K = V = 256 included (the walks and the V-sliced grad kernel in TileLang); the
     # FLASH_QLA_CP_TILELANG_BWD=0 switch sends every head dim to the torch backward
     from flash_qla_cp import ops
 
