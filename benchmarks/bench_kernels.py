@@ -3,24 +3,19 @@
 Libraries (same inputs, same process, same timing method):
   ours      flash_qla_cp's public chunk_gated_delta_rule(backend="tilelang") with its defaults
             (intra_cp="auto": long sequences on few heads are split inside the kernels,
-            kernels/tilelang_split.py) and the TileLang backward (its default; an inherited
-            FLASH_QLA_CP_TILELANG_BWD=0 is overridden below)
+            kernels/split.py; the TileLang backward)
   ours_nosplit  the same with intra_cp="off" (one CTA walks a whole sequence per head and tile)
   ours_recompute  the same as ours with save_states=False: the backward recomputes the chunk
             states instead of reading the ones the forward kept (less memory, one more walk)
-  ours_ws4  the same as ours with the four-warpgroup forward storing o from its fragments
-            (tilelang_fwd.FOUR_WARPGROUPS on, O_TMA off: the forward before o went by TMA)
-  ours_otma  the same as ours with the four-warpgroup forward's o stored through shared memory
-            by TMA (tilelang_fwd.O_TMA on; ours's default now, kept for same-run comparisons)
-  ours_adapter  the same as ours with kernels launched through TileLang's adapter
-            (tilelang_common.DIRECT_LAUNCH off: ~4-6 us more host time per launch)
+  ours_3wg  the same as ours with KernelOptions(four_warpgroups=False)
+  ours_unfused  the same as ours with KernelOptions(fused_walk="off") (the three-kernel backward)
   flashqla  FlashQLA (PyPI flash-qla 0.1.3, TileLang), its public chunk_gated_delta_rule with
             its defaults (auto intra-card CP on)
   fla       FLA (fla-core 0.6.0) Triton kernels, with FLA_FLASH_QLA=0 and
             FLA_DISABLE_BACKEND_DISPATCH=1 set before import so FLA's own kernels run
 
 Usage:  python benchmarks/bench_kernels.py [--shapes a,b] [--libs ours,flashqla,fla] [--no-bwd]
-        [--out DIR] [--rep MS]
+        [--out DIR] [--rep MS] [--graphs]
 Writes bench_kernels.json and bench_kernels.md into DIR (default $OUT, else benchmarks/results).
 
 Accuracy: every library's forward output and final state are compared with the torch chunked
@@ -33,15 +28,13 @@ between runs by do_bench). Eager by default, the same for all. FLA and ours get 
 loop under CUDA graphs pays: no host launch cost), for every library whose call can be
 captured; a call that waits for the GPU on the host cannot, and its row says so.
 Forward+backward sets the inputs' .grad to None before each backward, so the gradients are
-written rather than added into (the results up to bench_kernels_h200_2026-12-03_elementwise
-include that add, about 0.38 ms at TP1 1x32k, for every library alike).
+written rather than added into.
 """
 
 import os
 
 os.environ.setdefault("FLA_FLASH_QLA", "0")
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
-os.environ["FLASH_QLA_CP_TILELANG_BWD"] = "1"  # time our backward kernels, never the torch fallback
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -165,25 +158,14 @@ def lib_versions():
     return out
 
 
-def _switched(fn, switches, **values):
-    """`fn` run with a module's kernel switches set (`tilelang_fwd.switches`)."""
-    def run():
-        with switches(**values):
-            return fn()
-
-    return run
-
-
-# bench libraries that run ours with module switches set: [(module, switches)]
-_FWD = "flash_qla_cp.kernels.tilelang_fwd"
-SWITCH_LIBS = {
-    "ours_ws4": [(_FWD, {"FOUR_WARPGROUPS": True, "O_TMA": False})],
-    "ours_otma": [(_FWD, {"FOUR_WARPGROUPS": True, "O_TMA": True})],
-    "ours_adapter": [("flash_qla_cp.kernels.tilelang_common", {"DIRECT_LAUNCH": False})],
+# bench libraries that run ours with other kernel options
+OPTION_LIBS = {
+    "ours_3wg": dict(four_warpgroups=False),
+    "ours_unfused": dict(fused_walk="off"),
 }
 
 
-def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None, with_train_fwd=False):
+def build_fns(lib, q, k, v, g, beta, cu, scale, with_train_fwd=False):
     """(fwd_fn, fwdbwd_fn or error string) for one library; with_train_fwd adds a third: the
     fwd+bwd's forward alone (inputs needing grad, states kept for a backward that never comes),
     so that fwd+bwd minus it is the backward's time."""
@@ -207,37 +189,27 @@ def build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg=None, with_train_fwd=Fa
 
         return (fwd, fwdbwd, train_fwd) if with_train_fwd else (fwd, fwdbwd)
 
-    if lib in ("ours", "ours_nosplit", "ours_recompute", *SWITCH_LIBS):
-        from flash_qla_cp.kernels.tilelang_fwd import tilelang_chunk_gated_delta_rule_fwd
-        from flash_qla_cp.ops import chunk_gated_delta_rule as ours_op
+    if lib in ("ours", "ours_nosplit", "ours_recompute", *OPTION_LIBS):
+        from flash_qla_cp import KernelOptions
+        from flash_qla_cp import chunk_gated_delta_rule as ours_op
 
         intra = "off" if lib == "ours_nosplit" else "auto"
         keep = lib != "ours_recompute"
+        options = KernelOptions(**OPTION_LIBS.get(lib, {}))
         cu_cpu = None if cu is None else cu.to(torch.int32).cpu()  # as FLA gets it: no read-back
 
         def fwd():
-            if ours_cfg:  # a tuned fused-kernel tile (--ours-tune): the kernels called directly
-                return tilelang_chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu32,
-                                                           fused_config=ours_cfg, partitions=intra)[:2]
             with torch.no_grad():
                 return ours_op(q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu32,
-                               backend="tilelang", intra_cp=intra, cu_seqlens_cpu=cu_cpu)
+                               backend="tilelang", intra_cp=intra, cu_seqlens_cpu=cu_cpu, kernel_options=options)
 
         ins = grads_inputs()
 
         def train_fwd():
             return ours_op(*ins, scale=scale, output_final_state=False, cu_seqlens=cu32, backend="tilelang",
-                           intra_cp=intra, save_states=keep, cu_seqlens_cpu=cu_cpu)[0]
+                           intra_cp=intra, save_states=keep, cu_seqlens_cpu=cu_cpu, kernel_options=options)[0]
 
-        out = fns(fwd, train_fwd, ins)
-
-        if lib in SWITCH_LIBS:
-            import importlib
-
-            for module, switch in SWITCH_LIBS[lib]:
-                switches = importlib.import_module(module).switches
-                out = tuple(_switched(fn, switches, **switch) for fn in out)
-        return out
+        return fns(fwd, train_fwd, ins)
 
     if lib == "flashqla":
         from flash_qla import chunk_gated_delta_rule as fq
@@ -345,8 +317,6 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--md-from", default=None,
                     help="only rebuild the markdown table from this bench_kernels.json (no GPU needed)")
-    ap.add_argument("--ours-tune", default=None,
-                    help="tune_fwd.json: use its best fused-kernel config per shape for 'ours'")
     args = ap.parse_args()
     if args.md_from:
         with open(args.md_from) as f:
@@ -357,16 +327,13 @@ def main():
         print(md)
         return
     os.makedirs(args.out, exist_ok=True)
-    tuned = {}
-    if args.ours_tune and os.path.exists(args.ours_tune):
-        with open(args.ours_tune) as f:
-            tuned = {r["shape"]: r.get("best_config") for r in json.load(f)["rows"]}
     libs = [x for x in args.libs.split(",") if x]
     shapes = [x for x in args.shapes.split(",") if x]
 
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "command": " ".join(["python", "benchmarks/bench_kernels.py", *sys.argv[1:]]),
         "versions": lib_versions(),
         "timing": ("triton.testing.do_bench median, eager" + (" and CUDA-graph replays" if args.graphs else
                                                                " (no CUDA graphs)")
@@ -388,10 +355,7 @@ def main():
             row = {"shape": sname, "B": B, "T": T, "H": H, "HV": HV, "K": K, "V": V,
                    "varlen_seqs": len(nseq) if isinstance(nseq, tuple) else nseq, "lib": lib}
             try:
-                ours_cfg = tuned.get(sname) if lib == "ours" else None
-                if ours_cfg:
-                    row["ours_config"] = ours_cfg
-                fwd, fwdbwd, train_fwd = build_fns(lib, q, k, v, g, beta, cu, scale, ours_cfg, with_train_fwd=True)
+                fwd, fwdbwd, train_fwd = build_fns(lib, q, k, v, g, beta, cu, scale, with_train_fwd=True)
             except Exception as exc:  # noqa: BLE001
                 row["fwd_error"] = row["fwdbwd_error"] = repr(exc)[:500]
                 rows.append(row)
@@ -457,6 +421,8 @@ def to_markdown(meta, rows, partial=False):
         f"# Kernel benchmark — {meta['gpu']}, {meta['date']}" + (" (partial: run cut short)" if partial else ""),
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        "",
+        f"Command: `{meta.get('command', 'python benchmarks/bench_kernels.py')}`",
         "",
         f"Timing: {meta['timing']}. TFLOP/s and GB/s use the counts documented in bench_kernels.py "
         "(fwd+bwd FLOPs = 3x fwd).",

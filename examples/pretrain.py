@@ -3,12 +3,12 @@
     python examples/pretrain.py --steps 50 --seq-len 1024
     torchrun --standalone --nproc-per-node 2 examples/pretrain.py --cp 2 --steps 50 --seq-len 1024
 
-All flags: python examples/pretrain.py --help (they are flash_qla_cp.train's).
+All flags: python examples/pretrain.py --help (examples/hybrid_lm/trainer.py).
 """
 
 import sys
 
-from flash_qla_cp.train import main
+from hybrid_lm.trainer import main
 
 if __name__ == "__main__":
     main(sys.argv[1:])

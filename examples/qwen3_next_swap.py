@@ -12,7 +12,7 @@
 Under CP (--cp > 1, torchrun) each rank feeds its contiguous slice of the stream and the swapped GDN
 layers get the `CPContext` through the model's forward kwargs (`cp_context=`). transformers' own
 full-attention layers know nothing of CP, so CP needs --linear-only (for a hybrid model under CP see
-flash_qla_cp.models.HybridLM / flash_qla_cp.train). The loss is the mean over all tokens of the
+examples/hybrid_lm). The loss is the mean over all tokens of the
 stream on every rank, the same with or without CP.
 """
 
@@ -81,9 +81,9 @@ def use_torch_reference_kernels():
 def main(argv=None) -> list[float]:
     import transformers
 
-    from flash_qla_cp.data import ByteTokenizer, DocumentPacker
     from flash_qla_cp.modules import Qwen3NextGatedDeltaNetFlash, replace_qwen3_next_gdn
-    from flash_qla_cp.train import Dist, all_reduce_grads
+    from hybrid_lm.data import ByteTokenizer, DocumentPacker
+    from hybrid_lm.trainer import Dist, all_reduce_grads
 
     args = build_parser().parse_args(argv)
     d = Dist(args.cp, args.device)
@@ -120,7 +120,7 @@ def main(argv=None) -> list[float]:
         # 2. train the swapped model
         cp_context = None
         if d.cp > 1:
-            from flash_qla_cp.parallel import CPContext
+            from flash_qla_cp import CPContext
 
             cp_context = CPContext.build(torch.tensor([0, args.seq_len], dtype=torch.int32), group=d.cp_group)
         lo, hi = cp_context.token_range if cp_context is not None else (0, args.seq_len)

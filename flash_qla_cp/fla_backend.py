@@ -15,7 +15,7 @@ switch ours off without code changes.
 
 from __future__ import annotations
 
-from .ops import chunk_gated_delta_rule
+from .api import chunk_gated_delta_rule
 
 BACKEND_TYPE = "flash_qla_cp"
 ENV_VAR = "FLA_FLASH_QLA_CP"

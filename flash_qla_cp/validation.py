@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .options import DEFAULT_OPTIONS, KernelOptions
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -67,6 +69,20 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
 def is_intra_option(value) -> bool:
     """An intra-card CP setting: 'auto', 'off' or a positive int (partitions per sequence; not a bool)."""
     return value in ("auto", "off") or (type(value) is int and value >= 1)
+
+
+def check_intra_cp(value):
+    if not is_intra_option(value):
+        _fail(f"intra_cp must be 'auto', 'off' or a positive int, got {value!r}")
+
+
+def check_options(options):
+    """The call's KernelOptions (the defaults for None)."""
+    if options is None:
+        return DEFAULT_OPTIONS
+    if not isinstance(options, KernelOptions):
+        _fail(f"kernel_options must be a flash_qla_cp.KernelOptions, got {type(options).__name__}")
+    return options
 
 
 def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> int:

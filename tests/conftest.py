@@ -1,6 +1,13 @@
 """Fixtures shared by the CPU tests."""
 
+import pathlib
+import sys
+
 import pytest
+
+# the README's main job (examples/hybrid_lm) is imported by the training and Qwen-swap tests
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
 
 
 @pytest.fixture

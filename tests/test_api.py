@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from flash_qla_cp import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
-from flash_qla_cp.kernels import naive_recurrent_gated_delta_rule
-from flash_qla_cp.kernels.shapes import l2norm
+from flash_qla_cp import KernelOptions, chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from flash_qla_cp.reference import naive_recurrent_gated_delta_rule
+from flash_qla_cp.reference.shapes import l2norm
 from flash_qla_cp.testing import make_gdn_inputs, random_cu_seqlens, rel_err
 
 NAMES = ("q", "k", "v", "g", "beta")
@@ -66,7 +66,7 @@ def test_fwd_bwd_split_equals_autograd():
         assert rel_err(got, leaf.grad) < 1e-12
 
 
-def test_tilelang_backward_is_the_default_and_env_zero_opts_out(monkeypatch):
+def test_tilelang_backward_is_the_default_and_an_option_opts_out(monkeypatch):
     # a forward context that says it came from the TileLang backend (CPU tensors: the kernel
     # backward itself is replaced by a marker, only the dispatch is under test)
     from flash_qla_cp import ops
@@ -76,10 +76,10 @@ def test_tilelang_backward_is_the_default_and_env_zero_opts_out(monkeypatch):
     ctx.backend = "tilelang"
     monkeypatch.setattr(ops, "_tilelang_bwd", lambda do, dht, ctx: "tilelang kernels")
     do = torch.randn_like(o)
-    monkeypatch.delenv("FLASH_QLA_CP_TILELANG_BWD", raising=False)
     assert chunk_gated_delta_rule_bwd(do, None, ctx) == "tilelang kernels"
-    monkeypatch.setenv("FLASH_QLA_CP_TILELANG_BWD", "0")
-    grads = chunk_gated_delta_rule_bwd(do, None, ctx)  # the torch chunked path's autograd
+    _, _, ctx = chunk_gated_delta_rule_fwd(**x, kernel_options=KernelOptions(tilelang_backward=False))
+    ctx.backend = "tilelang"
+    grads = chunk_gated_delta_rule_bwd(do, None, ctx)  # the torch backward
     leaves = _leaves(x)
     (chunk_gated_delta_rule(**leaves)[0] * do).sum().backward()
     for got, name in zip(grads, NAMES):
@@ -131,8 +131,8 @@ def test_forward_only_calls_skip_autograd_function(monkeypatch):
 
 
 def test_tilelang_forward_gets_the_tilelang_backward_at_every_head_dim(monkeypatch):
-    # K = V = 256 included (the walks and the V-sliced grad kernel in TileLang); the
-    # FLASH_QLA_CP_TILELANG_BWD=0 switch sends every head dim to the torch backward
+    # K = V = 256 included (the walks and the V-sliced grad kernel in TileLang);
+    # KernelOptions(tilelang_backward=False) sends every head dim to the torch backward
     from flash_qla_cp import ops
 
     chosen = []
@@ -144,9 +144,8 @@ def test_tilelang_forward_gets_the_tilelang_backward_at_every_head_dim(monkeypat
         want = chunk_gated_delta_rule_bwd(do, None, ctx)
         ctx.backend = "tilelang"  # as after a TileLang forward
         chunk_gated_delta_rule_bwd(do, None, ctx)
-        monkeypatch.setenv(ops.TILELANG_BWD_ENV, "0")
+        ctx.options = KernelOptions(tilelang_backward=False)
         got = chunk_gated_delta_rule_bwd(do, None, ctx)
-        monkeypatch.delenv(ops.TILELANG_BWD_ENV)
         assert all(torch.equal(a, b) for a, b in zip(got[:5], want[:5]))
     assert chosen == [256, 128, 64]
 
@@ -173,7 +172,7 @@ def test_torch_backward_with_l2norm_and_v_first_states_matches_autograd():
     # the op's torch backward (hand-written walks) against autograd through the chunked torch
     # forward, with the options it handles around the walks: q / k normalised in the op,
     # [N, HV, V, K] states, an initial state and a final-state gradient
-    from flash_qla_cp.kernels import chunk_gated_delta_rule_torch
+    from flash_qla_cp.reference import chunk_gated_delta_rule_torch
 
     lengths = [70, 5, 64]
     cu = random_cu_seqlens(lengths)

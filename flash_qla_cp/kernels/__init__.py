@@ -1,7 +1,2 @@
-"""Kernels: TileLang Hopper kernels and the torch references they are checked against."""
-
-from .reference_backward import chunk_gated_delta_rule_bwd_reference
-from .reference_chunked import chunk_gated_delta_rule_torch
-from .reference_recurrent import naive_recurrent_gated_delta_rule
-
-__all__ = ["chunk_gated_delta_rule_bwd_reference", "chunk_gated_delta_rule_torch", "naive_recurrent_gated_delta_rule"]
+"""The TileLang backend: host code (`forward`, `backward`, `split`, `runtime`, `tables`) over the
+Hopper kernels of `hopper/`, one kernel per file. Importing it needs neither TileLang nor a GPU."""

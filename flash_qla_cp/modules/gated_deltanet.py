@@ -29,9 +29,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.shapes import expand_qk_heads, l2norm
-from ..ops import chunk_gated_delta_rule
+from ..api import chunk_gated_delta_rule
+from ..parallel.conv_halo import exchange_conv_halo
+from ..reference.shapes import expand_qk_heads, l2norm
 from ..validation import is_intra_option
+from .hf_params import gdn_from_qwen3_next
 from .norm import GatedRMSNorm
 from .short_conv import ShortConvolution, last_kept_inputs
 
@@ -186,9 +188,7 @@ class GatedDeltaNet(nn.Module):
     def from_qwen3_next(cls, hf_layer_or_config, state_dict=None, backend: str = "auto", **overrides):
         """Build from a transformers `Qwen3NextGatedDeltaNet` / `Qwen3_5GatedDeltaNet` (parameters shared,
         not copied) or from its config (+ optional `linear_attn` state_dict, loaded unchanged). The
-        projection layout follows the layer / state_dict / config. See `qwen3_next.py`."""
-        from .qwen3_next import gdn_from_qwen3_next
-
+        projection layout follows the layer / state_dict / config (`hf_params.py`)."""
         return gdn_from_qwen3_next(cls, hf_layer_or_config, state_dict=state_dict, backend=backend, **overrides)
 
     from_hf = from_qwen3_next  # same for Qwen3.5 layers and configs
@@ -227,8 +227,6 @@ class GatedDeltaNet(nn.Module):
         if cp_context is None:
             return self.conv1d(mixed, cu_seqlens=cu_seqlens, conv_state=conv_state,
                                output_final_state=output_final_state)
-        from ..parallel.conv_halo import exchange_conv_halo
-
         halo = exchange_conv_halo(mixed, cp_context, self.conv_size)  # [1, K-1, C]
         local_cu = cp_context.local_cu_seqlens(mixed.device)
         state = halo.transpose(1, 2)

@@ -65,8 +65,9 @@ def _layout(edges, start: int, end: int, world_end: int) -> RankLayout:
 class CPContext:
     """Per-batch CP plan. Build with `CPContext.build`; pass as `cp_context=` to the op / module.
 
-    intra: 'auto' (cost model), 'off', or an int number of partitions per sequence for the
-    intra-card split inside each rank. intra_exact disables the decay shortcut.
+    intra_cp: 'auto', 'off', or an int number of partitions per sequence for the intra-card split
+    inside each rank (as the op's `intra_cp`). intra_exact, intra_threshold, intra_window: the torch
+    backend's split engine (`parallel/intra.py`): no decay shortcut, or its threshold and window.
     """
 
     group: object
@@ -75,7 +76,7 @@ class CPContext:
     cu_seqlens_global: list
     seq_len_global: int
     layouts: list = field(repr=False)
-    intra: object = "off"
+    intra_cp: object = "off"
     intra_exact: bool = False
     intra_threshold: float = -10.0
     intra_window: int = 2
@@ -126,21 +127,22 @@ class CPContext:
 
     # -- construction --------------------------------------------------------------------
     @classmethod
-    def build(cls, cu_seqlens_global, group=None, seq_len_global=None, intra="off",
+    def build(cls, cu_seqlens_global, group=None, seq_len_global=None, intra_cp="off",
               intra_exact=False, intra_threshold=-10.0, intra_window=2) -> "CPContext":
         """Plan this batch. group=None: the default group if torch.distributed is initialised,
         else a single process (world 1; intra-card splitting only)."""
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
-        return cls._make(cu_seqlens_global, group, seq_len_global, intra, intra_exact, intra_threshold, intra_window)
+        return cls._make(cu_seqlens_global, group, seq_len_global, intra_cp, intra_exact, intra_threshold,
+                         intra_window)
 
     @classmethod
-    def single(cls, cu_seqlens, intra="auto", intra_exact=False, intra_threshold=-10.0, intra_window=2):
+    def single(cls, cu_seqlens, intra_cp="auto", intra_exact=False, intra_threshold=-10.0, intra_window=2):
         """One process, no collectives: intra-card CP only (even when torch.distributed is up)."""
-        return cls._make(cu_seqlens, None, None, intra, intra_exact, intra_threshold, intra_window)
+        return cls._make(cu_seqlens, None, None, intra_cp, intra_exact, intra_threshold, intra_window)
 
     @classmethod
-    def _make(cls, cu_seqlens_global, group, seq_len_global, intra, intra_exact, intra_threshold, intra_window):
+    def _make(cls, cu_seqlens_global, group, seq_len_global, intra_cp, intra_exact, intra_threshold, intra_window):
         rank = dist.get_rank(group) if group is not None else 0
         world = dist.get_world_size(group) if group is not None else 1
 
@@ -153,11 +155,12 @@ class CPContext:
             _agree(edges, T, problem, rank, world, group)
         elif problem:
             raise CPError(problem)
-        if not is_intra_option(intra):
-            raise CPError(f"intra must be 'auto', 'off' or a positive int, got {intra!r}")
+        if not is_intra_option(intra_cp):
+            raise CPError(f"intra_cp must be 'auto', 'off' or a positive int, got {intra_cp!r}")
         L = T // world
         layouts = [_layout(edges, r * L, (r + 1) * L, T) for r in range(world)]
-        return cls(group, rank, world, edges, T, layouts, intra, intra_exact, float(intra_threshold), int(intra_window))
+        return cls(group, rank, world, edges, T, layouts, intra_cp, intra_exact, float(intra_threshold),
+                   int(intra_window))
 
 
 def _check_local(cu, seq_len_global, world):

@@ -42,19 +42,19 @@ def _time(chunks, parts, heads, sms, rerun_factor):
     return max(chain, work / sms) + scan
 
 
-def plan_partitions(chunks_per_seq, num_heads, sms=DEFAULT_SMS, force=None, max_partitions=64,
+def plan_partitions(chunks_per_seq, num_heads, sms=DEFAULT_SMS, intra_cp="auto", max_partitions=64,
                     min_chunks=MIN_CHUNKS_PER_PARTITION, rerun_factor=2.0) -> SplitDecision:
-    """Partitions per sequence. force: None/'auto' (model), 'off' (1) or an int P for every sequence.
+    """Partitions per sequence. intra_cp: 'auto' (model), 'off' (1) or an int P for every sequence.
 
     A sequence never gets more partitions than it has chunks (forced) or chunks / min_chunks (auto).
     """
     chunks = [int(c) for c in chunks_per_seq]
     whole = [1] * len(chunks)
     t_whole = _time(chunks, whole, num_heads, sms, rerun_factor)
-    if force == "off" or not chunks:
+    if intra_cp == "off" or not chunks:
         return SplitDecision(whole, t_whole, t_whole)
-    if isinstance(force, int) and not isinstance(force, bool):
-        parts = [max(1, min(force, c)) for c in chunks]
+    if isinstance(intra_cp, int) and not isinstance(intra_cp, bool):
+        parts = [max(1, min(intra_cp, c)) for c in chunks]
         return SplitDecision(parts, _time(chunks, parts, num_heads, sms, rerun_factor), t_whole)
     best, t_best = whole, t_whole
     P = 2

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..kernels.reference_chunked import compute_dtype
+from ..reference.chunked import compute_dtype
 from .context import CPContext, CPError, comm_device
 from .transition import segment_transitions
 
@@ -28,15 +28,17 @@ from .transition import segment_transitions
 class OpEngine:
     """Local compute = the library op on one rank's segments (torch on CPU, TileLang on Hopper)."""
 
-    def __init__(self, backend="auto", intra_cp="off", save_states=False):
+    def __init__(self, backend="auto", intra_cp="off", save_states=False, kernel_options=None):
         # save_states: the TileLang forward keeps its chunk states for `bwd` (only worth it when
-        # a backward follows; see ops.chunk_gated_delta_rule)
+        # a backward follows; see api.chunk_gated_delta_rule)
         self.backend, self.intra_cp, self.save_states = backend, intra_cp, save_states
+        self.kernel_options = kernel_options
 
     def fwd(self, q, k, v, g, beta, scale, h0, cu_seqlens):
         return ops.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
                                               output_final_state=True, cu_seqlens=cu_seqlens, backend=self.backend,
-                                              intra_cp=self.intra_cp, save_states=self.save_states)
+                                              intra_cp=self.intra_cp, save_states=self.save_states,
+                                              kernel_options=self.kernel_options)
 
     def bwd(self, do, dht, ctx):
         return ops.chunk_gated_delta_rule_bwd(do, dht, ctx)

@@ -14,6 +14,13 @@ Partitions 0 (user initial state) and warm-up ones are final after one batched p
 exact ones run in a second batched pass ("B") once the scan is done.
 Backward uses the same plan: pass B with the local cotangent gives each exact partition's
 dS_in, a reverse scan with M^T gives the true dS_out, then A and B run backward with it.
+
+Why this is not the TileLang split's policy (`kernels/split.py`): the TileLang kernels compute
+each partition's (h, M) and the scan on the GPU and walk every partition once, so the split
+costs a few chunks per cut and is planned to fill the SMs. Here the op runs around the cuts:
+an exact partition is run twice (state-only pass, then from its true state), so the cost model
+(`cost_model.py`) weighs that rerun, and the shortcut is a whole-partition approximation tested
+over a window for every head at once (hence its own, opt-out threshold).
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.reference_chunked import CHUNK_SIZE, compute_dtype
+from ..constants import CHUNK
+from ..reference.chunked import compute_dtype
 from .cost_model import plan_partitions, sm_count
 from .transition import segment_transitions
 
@@ -49,13 +57,13 @@ class IntraPlan:
         return all(p.mode == FIRST for p in self.partitions)
 
 
-def build_plan(cu_edges, g, num_heads, force="auto", exact=False, threshold=-10.0, window=2,
-               sms=None, chunk=CHUNK_SIZE) -> IntraPlan:
+def build_plan(cu_edges, g, num_heads, intra_cp="auto", exact=False, threshold=-10.0, window=2,
+               sms=None, chunk=CHUNK) -> IntraPlan:
     """Cut sequences at chunk boundaries (cost model or forced count) and pick each cut's mode."""
     lengths = [b - a for a, b in zip(cu_edges, cu_edges[1:])]
     chunks = [-(-n // chunk) for n in lengths]
     sms = sms if sms is not None else sm_count(g.device)
-    counts = plan_partitions(chunks, num_heads, sms, force=None if force == "auto" else force).partitions
+    counts = plan_partitions(chunks, num_heads, sms, intra_cp=intra_cp).partitions
     cuts = []  # (seq, start, end)
     for n, (a, c, p) in enumerate(zip(cu_edges, chunks, counts)):
         if c == 0:
@@ -113,13 +121,13 @@ class _Run:
 class IntraEngine:
     """Local engine (same fwd/bwd contract as inter.OpEngine) that splits sequences on one card."""
 
-    def __init__(self, base, force="auto", exact=False, threshold=-10.0, window=2, sms=None):
-        self.base, self.force, self.exact = base, force, exact
+    def __init__(self, base, intra_cp="auto", exact=False, threshold=-10.0, window=2, sms=None):
+        self.base, self.intra_cp, self.exact = base, intra_cp, exact
         self.threshold, self.window, self.sms = threshold, window, sms
 
     def fwd(self, q, k, v, g, beta, scale, h0, cu_seqlens):
         edges = cu_seqlens.tolist()
-        plan = build_plan(edges, g, v.shape[2], self.force, self.exact, self.threshold, self.window, self.sms)
+        plan = build_plan(edges, g, v.shape[2], self.intra_cp, self.exact, self.threshold, self.window, self.sms)
         if plan.is_trivial:
             o, fin, ctx = self.base.fwd(q, k, v, g, beta, scale, h0, cu_seqlens)
             return o, fin, ("whole", ctx)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.reference_chunked import CHUNK_SIZE, _decay_diff, _to_chunks, compute_dtype
-from ..kernels.shapes import expand_qk_heads, padded_chunk_index
+from ..constants import CHUNK
+from ..reference.chunked import _decay_diff, _to_chunks, compute_dtype
+from ..reference.shapes import expand_qk_heads, padded_chunk_index
 
 
 def _chunk_maps(k, v, g, beta, with_h: bool):
@@ -56,7 +57,7 @@ def _tree_reduce(M, h):
 
 
 @torch.no_grad()
-def segment_transitions(k, v, g, beta, cu_seqlens=None, with_h=True, group=64, chunk_size=CHUNK_SIZE):
+def segment_transitions(k, v, g, beta, cu_seqlens=None, with_h=True, group=64, chunk_size=CHUNK):
     """(M [N, HV, K, K], h [N, HV, K, V] or None) per sequence of a packed [1, T, ...] batch.
 
     h is the final state from a zero start, so final(S0) = M @ S0 + h. fp32 (float64 stays

@@ -1,0 +1,395 @@
+"""Pretraining loop for the hybrid GDN LM, as a library (`main(argv)`), for 1 process or torchrun.
+
+    torchrun --standalone --nproc-per-node 2 examples/pretrain.py --cp 2 --steps 100 --seq-len 2048
+
+Parallelism: world = dp * cp. Ranks [g*cp, (g+1)*cp) form CP group g. Every step the packer
+yields one global packed row of --seq-len tokens; it is cut into dp equal rows (documents
+crossing a cut are split there), and CP group g's row is cut into cp contiguous slices described
+by a `CPContext`, one per rank. The parameters are replicated.
+
+Loss: each rank sums the token cross-entropy of its own tokens and divides by the number of
+targets in the whole global batch (identical on every rank), so the sum over ranks is the
+global token mean -- the same number with or without CP. Gradients are sum-all-reduced over all
+ranks (CP and DP together), which makes them exactly the gradient of that global mean.
+
+Checkpoints (`--save DIR`, `--resume DIR`): DIR/checkpoint.pt, a plain dict with the model and
+optimizer state_dicts, the step, the RNG states and the arguments, written by rank 0. The data
+order is a pure function of (seed, step), so a resumed run continues the same loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flash_qla_cp import CPContext
+
+from .data import IGNORE_INDEX, ByteTokenizer, DocumentPacker, PackedBatch
+from .model import HybridLM, HybridLMConfig
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Pretrain a small hybrid Gated DeltaNet LM (flash_qla_cp).")
+    p.add_argument("--steps", type=int, default=100, help="total optimizer steps (a resumed run stops here too)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per step, global (all ranks together)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree; world size must be a multiple")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=2, help="GDN q/k heads (and attention heads)")
+    p.add_argument("--v-heads", type=int, default=None, help="GDN value heads (GVA); default --heads")
+    p.add_argument("--head-dim", type=int, default=None, help="GDN head dim; default hidden // heads")
+    p.add_argument("--attn-every", type=int, default=0, help="every k-th block is softmax attention (0: none)")
+    p.add_argument("--cp-intra", default=None,
+                   help="intra-card CP split inside each rank: off | auto | N partitions (CPContext.build(intra_cp=); "
+                        "with --cp 1 the op's intra_cp). Default: auto on CUDA (split inside the TileLang "
+                        "kernels for sequences of 16k tokens and more), off on CPU")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=1.0,
+                   help="cosine decay to lr * ratio over --decay-steps (1.0: constant after warm-up)")
+    p.add_argument("--decay-steps", type=int, default=0, help="cosine horizon (0: --steps)")
+    p.add_argument("--warmup", type=int, default=0, help="linear warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-doc-bytes", type=int, default=64,
+                   help="merge consecutive corpus paragraphs into documents of at least this many bytes "
+                        "(large values make long documents that span CP ranks)")
+    p.add_argument("--save", default=None, help="checkpoint directory to write (at the end and every --save-every)")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--resume", default=None, help="checkpoint directory to resume from (if it holds one)")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--metrics-out", default=None, help="rank 0 appends one JSON line per step (step, loss, ...)")
+    p.add_argument("--recompute-states", action="store_true",
+                   help="GDN backward recomputes the chunk states instead of keeping them from the forward "
+                        "(less memory between forward and backward, one more state walk; save_states=False)")
+    p.add_argument("--checkpoint-blocks", action="store_true",
+                   help="activation checkpointing per block: far less activation memory, ~1/3 more compute")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16")
+    p.add_argument("--backend", default="auto", help="GDN kernel backend: auto | torch | tilelang")
+    p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per process (0: cores / local processes). 1 is the default: small CPU "
+                        "ops gain little from more and collapse when the cores are shared")
+    return p
+
+
+# ----------------------------------------------------------------------------- distributed set-up
+
+
+class Dist:
+    """World, CP and DP layout of this process."""
+
+    def __init__(self, cp: int, device_arg: str):
+        self.launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if device_arg == "auto":
+            device_arg = "cuda" if torch.cuda.is_available() else "cpu"
+        if device_arg == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("--device cuda but CUDA is not available")
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+        else:
+            self.device = torch.device(device_arg)
+        if cp < 1 or self.world % cp:
+            raise SystemExit(f"--cp {cp} must divide the world size {self.world}")
+        self.cp, self.dp = cp, self.world // cp
+        self.cp_rank, self.dp_rank = self.rank % cp, self.rank // cp
+        self.cp_group = None
+        if self.launched and self.world > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            kw = {"device_id": self.device} if self.device.type == "cuda" else {}
+            dist.init_process_group(backend=backend, **kw)
+            for g in range(self.dp):  # every rank must take part in creating every group
+                ranks = list(range(g * cp, (g + 1) * cp))
+                grp = dist.new_group(ranks)
+                if g == self.dp_rank:
+                    self.cp_group = grp
+        elif self.world > 1:
+            raise SystemExit("WORLD_SIZE > 1 without RANK: launch with torchrun")
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def barrier(self):
+        if self.distributed:
+            dist.barrier()
+
+    def close(self):
+        if self.distributed:
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- data slicing
+
+
+def parse_intra(text, device_type: str = "cpu"):
+    """--cp-intra: 'auto' / 'off' stay strings, a number becomes the partition count; not given:
+    'auto' on CUDA (the TileLang kernels split where heads are few), 'off' on CPU."""
+    if text is None:
+        return "auto" if device_type == "cuda" else "off"
+    return text if text in ("auto", "off") else int(text)
+
+
+def build_cp_context(row: PackedBatch, d: Dist, intra=None):
+    """The CPContext of this rank for the CP group's row (None when cp == 1)."""
+    if d.cp == 1:
+        return None
+    return CPContext.build(row.cu_seqlens, group=d.cp_group, intra_cp=parse_intra(intra, d.device.type))
+
+
+def local_slice(row: PackedBatch, d: Dist, cp_context) -> tuple[int, int]:
+    if cp_context is None:
+        return 0, row.num_tokens
+    return cp_context.token_range
+
+
+# ----------------------------------------------------------------------------- model / optimizer
+
+
+def model_config(args, device_type: str = "cpu") -> HybridLMConfig:
+    gdn_kwargs = {}
+    if args.backend != "auto":
+        gdn_kwargs["backend"] = args.backend
+    if args.cp == 1:  # no CPContext then: the op's own intra-card switch
+        gdn_kwargs["intra_cp"] = parse_intra(args.cp_intra, device_type)
+    if args.recompute_states:
+        gdn_kwargs["save_states"] = False
+    return HybridLMConfig(
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_v_heads=args.v_heads,
+        head_k_dim=args.head_dim,
+        head_v_dim=args.head_dim,
+        attn_every=args.attn_every,
+        gdn_kwargs=gdn_kwargs,
+    )
+
+
+def make_optimizer(model, args):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        skip = p.dim() < 2 or "embed" in name or getattr(p, "_no_weight_decay", False)
+        (no_decay if skip else decay).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw = {"foreach": False} if next(model.parameters()).device.type == "cpu" else {}
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **kw)
+
+
+def lr_at(step: int, args) -> float:
+    """Learning rate of (0-based) step `step`."""
+    if args.warmup and step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    if args.min_lr_ratio >= 1.0:
+        return args.lr
+    horizon = args.decay_steps or args.steps
+    t = min(1.0, (step - args.warmup) / max(1, horizon - args.warmup))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def all_reduce_grads(model, d: Dist):
+    if not d.distributed:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    i = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[i : i + n].view_as(p).clone()
+        i += n
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        try:
+            torch.cuda.set_rng_state_all(state["cuda"])
+        except Exception:  # a different GPU count: keep the fresh seeds
+            pass
+
+
+def save_checkpoint(path_dir: str, model, optimizer, step: int, args, d: Dist):
+    if d.rank == 0:
+        os.makedirs(path_dir, exist_ok=True)
+        payload = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "rng": rng_state(),
+            "args": vars(args),
+        }
+        tmp = os.path.join(path_dir, CHECKPOINT_NAME + ".tmp")
+        torch.save(payload, tmp)
+        os.replace(tmp, os.path.join(path_dir, CHECKPOINT_NAME))
+    d.barrier()
+
+
+def load_checkpoint(path_dir: str, model, optimizer, device) -> int | None:
+    path = os.path.join(path_dir, CHECKPOINT_NAME)
+    if not os.path.exists(path):
+        return None
+    # on the CPU: the RNG states must stay CPU byte tensors; load_state_dict moves the rest
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    set_rng_state(payload["rng"])
+    return int(payload["step"])
+
+
+# ----------------------------------------------------------------------------- main loop
+
+
+def _log(d: Dist, msg: str):
+    if d.rank == 0:
+        print(msg, flush=True)
+
+
+def main(argv=None) -> list[float]:
+    """Run training; returns the per-step global losses (on every rank)."""
+    args = build_parser().parse_args(argv)
+    d = Dist(args.cp, args.device)
+    threads = torch.get_num_threads()
+    try:
+        return _train(args, d)
+    finally:
+        torch.set_num_threads(threads)
+        d.close()
+
+
+def _train(args, d: Dist) -> list[float]:
+    if d.device.type == "cpu":
+        threads = args.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        torch.set_num_threads(threads)
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
+        if d.device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.seq_len % (d.dp * d.cp):
+        raise SystemExit(f"--seq-len {args.seq_len} must be a multiple of dp * cp = {d.dp * d.cp}")
+    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and d.device.type == "cuda")
+    autocast = torch.autocast(d.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+
+    # identical initialisation on every rank (and broadcast from rank 0 to be sure)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    cfg = model_config(args, d.device.type)
+    model = HybridLM(cfg).to(d.device)
+    model.checkpoint_blocks = args.checkpoint_blocks
+    if d.distributed:
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+    optimizer = make_optimizer(model, args)
+    packer = DocumentPacker(args.seq_len, seed=args.seed, min_doc_bytes=args.min_doc_bytes)
+
+    start_step = 0
+    if args.resume:
+        got = load_checkpoint(args.resume, model, optimizer, d.device)
+        if got is not None:
+            start_step = got
+            _log(d, f"resumed from {os.path.join(args.resume, CHECKPOINT_NAME)} at step {start_step}")
+    n_params = sum(p.numel() for p in model.parameters())
+    _log(
+        d,
+        f"world {d.world} = dp {d.dp} x cp {d.cp} | device {d.device} | {'bf16 autocast' if use_bf16 else 'fp32'} | "
+        f"params {n_params / 1e6:.2f}M | layers {cfg.num_layers} (attention every {cfg.attn_every or '-'}) | "
+        f"hidden {cfg.hidden_size} | tokens/step {args.seq_len} | steps {start_step}->{args.steps}",
+    )
+
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    t_last, tokens_since = t0, 0
+    metrics = open(args.metrics_out, "a") if (args.metrics_out and d.rank == 0) else None
+    try:
+        for step in range(start_step, args.steps):
+            batch = packer.batch(step)
+            n_targets = batch.num_targets if d.dp == 1 else sum(r.num_targets for r in batch.split(d.dp))
+            row = batch if d.dp == 1 else batch.split(d.dp)[d.dp_rank]
+            cp_context = build_cp_context(row, d, args.cp_intra)
+            lo, hi = local_slice(row, d, cp_context)
+            ids = row.input_ids[lo:hi].to(d.device)[None]
+            labels = row.labels[lo:hi].to(d.device)
+            cu = row.cu_seqlens.to(d.device) if cp_context is None else None
+
+            lr = lr_at(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            with autocast:
+                logits = model(ids, cu_seqlens=cu, cp_context=cp_context)
+            loss_sum = F.cross_entropy(logits[0].float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+            (loss_sum / n_targets).backward()
+            all_reduce_grads(model, d)
+            if args.clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+
+            global_loss = d.all_reduce_sum(loss_sum.detach().double().reshape(1)).item() / n_targets
+            losses.append(global_loss)
+            tokens_since += args.seq_len
+            done = step + 1
+            if metrics is not None:
+                metrics.write(json.dumps({"step": done, "loss": global_loss, "lr": lr}) + "\n")
+                metrics.flush()
+            if args.log_every and (done % args.log_every == 0 or done == args.steps):
+                if d.device.type == "cuda":
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                tps = tokens_since / max(now - t_last, 1e-9)
+                window = losses[-(tokens_since // args.seq_len):]
+                mem = f" | peak GiB {torch.cuda.max_memory_allocated() / 2**30:.1f}" if d.device.type == "cuda" else ""
+                _log(d, f"step {done:5d} | loss {global_loss:.4f} | avg {sum(window) / len(window):.4f} | lr {lr:.2e} | "
+                        f"tokens/s {tps:,.0f} | elapsed {now - t0:.1f}s{mem}")
+                t_last, tokens_since = now, 0
+            if args.save and args.save_every and done % args.save_every == 0 and done != args.steps:
+                save_checkpoint(args.save, model, optimizer, done, args, d)
+        if args.save:
+            save_checkpoint(args.save, model, optimizer, args.steps if args.steps > start_step else start_step, args, d)
+            _log(d, f"saved {os.path.join(args.save, CHECKPOINT_NAME)}")
+    finally:
+        if metrics is not None:
+            metrics.close()
+    if losses:
+        _log(d, f"done: {len(losses)} steps in {time.perf_counter() - t0:.1f}s, final loss {losses[-1]:.4f}")
+    return losses
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,265 @@
+"""The TileLang forward: which kernels one call runs (`plan_forward`) and their launches.
+
+Per (chunk, v-head) the prepare kernel writes G (the chunk-local cumulative gate) and Ag (the
+gated UT matrix); one fused walk per (V block, sequence or partition, v-head) then carries the
+state S [K, V] from chunk to chunk in registers and writes o and the final state
+(docs/algorithm.md). With `intra_cp` long sequences are cut into partitions first
+(`kernels/split.py`). What the backward needs is returned as a `ForwardSaved`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..constants import CHUNK, WARMUP_LOG_DECAY
+from ..options import DEFAULT_OPTIONS, KernelOptions
+from . import runtime, split
+from .hopper.common import tl_dtype
+from .hopper.fwd_fused import build_fused_fwd_kernel
+from .hopper.fwd_fused_ws import build_fused_fwd_ws_kernel
+from .hopper.fwd_fused_ws4 import build_fused_fwd_ws4_kernel
+from .hopper.prepare import build_prepare_kernel
+from .hopper.split_decay_tables import build_decay_tables_kernel
+from .hopper.split_summary import build_state_summary_kernel
+from .runtime import KernelSpec, grid_fills_gpu, kernel_operand, state_kv_layout
+from .tables import chunk_offsets, chunk_table, walk_order
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """The kernels of one forward call: prepare, then the fused walk; with a split, the decay
+    tables, the partition summaries and the scan in between."""
+
+    prepare: KernelSpec
+    fused: KernelSpec
+    split: split.SplitSpecs | None = None
+
+    def specs(self) -> list:
+        extra = [] if self.split is None else [self.split.decay_tables, self.split.summary, self.split.scan]
+        return [self.prepare, *extra, self.fused]
+
+
+def fused_walk_kernel(walks: int, HV: int, K: int, V: int, sms: int, options: KernelOptions):
+    """(factory, block_v) of the fused forward for `walks` (sequences or partitions) x HV walks.
+
+    Each block walks a whole sequence for one v-head and one V block, so with few walks narrower
+    V blocks buy parallelism and a shorter per-chunk critical path. K <= 128: the four-warpgroup
+    kernel with a whole 128-wide state where its grid fills the GPU, else the three-warpgroup one
+    with the widest block_v whose grid does (H200: 1.1-1.5x faster than the single-warpgroup
+    kernel at each shape's best tile). K > 128: the single-warpgroup kernel, whose tiles alone
+    fit in shared memory (block_v <= 32).
+    """
+    pairs = walks * HV
+    if K > 128:
+        return build_fused_fwd_kernel, (32 if pairs * (V // 32) >= sms // 2 else 16)
+    if options.four_warpgroups and V % 128 == 0 and grid_fills_gpu(pairs * (V // 128), sms):
+        return build_fused_fwd_ws4_kernel, 128
+    for block_v in (64, 32):
+        if V % block_v == 0 and grid_fills_gpu(pairs * (V // block_v), sms):
+            return build_fused_fwd_ws_kernel, block_v
+    return build_fused_fwd_ws_kernel, 16
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_forward(H: int, HV: int, K: int, V: int, dtype: str, scale: float, varlen: bool, use_initial_state: bool,
+                 output_final_state: bool, state_v_first: bool, walks: int, sms: int, split_seqs: int = 0,
+                 save_states: bool = False, options: KernelOptions = DEFAULT_OPTIONS) -> ForwardPlan:
+    """The kernels of a forward call (cached: every call of a training loop asks the same).
+
+    walks: sequences, or partitions when split; split_seqs: the number of sequences when the call
+    is split (0: not split). save_states: the fused walk also stores each chunk's entering state
+    and v - exp(G) k S for the backward (the warp-specialised kernels, K <= 128; ignored else).
+    """
+    dtype = tl_dtype(dtype)
+    prepare = KernelSpec.of(build_prepare_kernel, H=H, HV=HV, K=K, dtype=dtype, is_varlen=bool(varlen))
+    factory, block_v = fused_walk_kernel(walks, HV, K, V, sms, options)
+    split_specs = None
+    if split_seqs:
+        split_specs = split.SplitSpecs(
+            decay_tables=KernelSpec.of(build_decay_tables_kernel, HV=HV, threshold=WARMUP_LOG_DECAY),
+            summary=KernelSpec.of(build_state_summary_kernel, H=H, HV=HV, K=K, V=V, dtype=dtype),
+            scan=split.scan_spec(HV, K, V, False, split_seqs, sms, use_s0=bool(use_initial_state)),
+        )
+        # the walk runs over the partitions, packed, each entered with its scanned state
+        varlen, use_initial_state, state_v_first = True, True, False
+    extra = {"store_states": True} if save_states and factory is not build_fused_fwd_kernel else {}
+    fused = KernelSpec.of(factory, H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), is_varlen=bool(varlen),
+                          use_initial_state=bool(use_initial_state), store_final_state=bool(output_final_state),
+                          state_v_first=bool(state_v_first), block_v=block_v, **extra)
+    return ForwardPlan(prepare, fused, split_specs)
+
+
+@dataclass
+class SplitSaved:
+    """What the split forward leaves for the backward: the partitions' tables (device copies of
+    the plan), the state entering each partition (S_in [NP, HV, K, V] fp32), each partition's
+    transition M [NP, HV, K, K] and the backward's warm-up walk lengths [NP, HV]."""
+
+    part_cu: torch.Tensor
+    part_chunk_table: torch.Tensor
+    part_chunk_offsets: torch.Tensor
+    part_order: torch.Tensor
+    seq_parts: torch.Tensor
+    first_parts: torch.Tensor
+    S_in: torch.Tensor
+    M: torch.Tensor
+    dh_walk_chunks: torch.Tensor
+
+
+@dataclass
+class ForwardSaved:
+    """What the TileLang forward keeps for its backward (tensors contiguous, token-major).
+
+    g_cumsum [B, T, HV] fp32 (G) and Ag [B, T, HV, 64] (row t: row t mod 64 of its chunk's Ag,
+    columns past the chunk's length zero). Varlen: chunk_table [NC, 2] int32 (sequence, chunk in
+    sequence), chunk_offsets [N + 1] (each sequence's first chunk; None where nothing needed it)
+    and walk_order [N] (the walks' sequence order, unsplit only). With save_states: h_states
+    [NC, HV, K, V] (the state entering each chunk, of the partitions when split) and vres
+    [B, T, HV, V] (v - exp(G) k S), both in the input dtype; without them the backward
+    recomputes both (its h walk).
+    """
+
+    g_cumsum: torch.Tensor
+    Ag: torch.Tensor
+    chunk_table: torch.Tensor | None
+    chunk_offsets: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    walk_order: torch.Tensor | None = None
+    split: SplitSaved | None = None
+    h_states: torch.Tensor | None = None
+    vres: torch.Tensor | None = None
+
+
+def run_prepare(spec: KernelSpec, k, g, beta, cu_seqlens=None, chunk_tab=None):
+    """The prepare kernel: (G fp32 [B, T, HV], Ag [B, T, HV, 64], the chunk table when varlen)."""
+    B, Tn = k.shape[:2]
+    HV = g.shape[2]
+    g32 = kernel_operand(runtime.as_dtype(g, torch.float32))
+    b32 = kernel_operand(runtime.as_dtype(beta, torch.float32))
+    g_out = torch.empty(B, Tn, HV, dtype=torch.float32, device=k.device)
+    a_out = torch.empty(B, Tn, HV, CHUNK, dtype=k.dtype, device=k.device)
+    kern = runtime.compile_kernel(spec)
+    if cu_seqlens is not None:
+        if chunk_tab is None:
+            chunk_tab = chunk_table(cu_seqlens)
+        if chunk_tab.shape[0] > 0:
+            kern(k, g32, b32, cu_seqlens, chunk_tab, g_out, a_out)
+    elif Tn > 0:
+        kern(k, g32, b32, g_out, a_out)
+    return g_out, a_out, chunk_tab
+
+
+def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                     state_v_first=False, intra_cp="off", cu_seqlens_host=None, save_states=False,
+                     options: KernelOptions = DEFAULT_OPTIONS):
+    """Chunked GDN forward on Hopper. q, k [B, T, H, K] bf16 / fp16; v [B, T, HV, V] of the same
+    dtype; g, beta [B, T, HV]; states fp32 [N, HV, K, V] ([N, HV, V, K] with state_v_first);
+    cu_seqlens [N + 1] int32 with B == 1 for packed input. intra_cp: 'off', 'auto' or an int P
+    (`kernels/split.py`); cu_seqlens_host (list or CPU tensor) spares reading cu_seqlens back
+    from the GPU when splitting. Returns (o [B, T, HV, V], final state fp32 or None,
+    ForwardSaved)."""
+    B, Tn, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    q, k, v = kernel_operand(q), kernel_operand(k), kernel_operand(v)
+    varlen = cu_seqlens is not None
+    cu = cu_seqlens.to(torch.int32).contiguous() if varlen else None
+    N = (cu.shape[0] - 1) if varlen else B
+
+    seq_tab = seq_offsets = seq_order = plan = None
+    if intra_cp not in ("off", 1) and max(K, V) > split.SPLIT_MAX_HEAD_DIM:
+        if intra_cp != "auto":
+            raise ValueError(f"intra-card split (intra_cp={intra_cp!r}) needs head dims <= {split.SPLIT_MAX_HEAD_DIM} "
+                             f"on the TileLang backend, got K={K}, V={V}; use intra_cp='auto' or 'off'")
+        intra_cp = "off"  # such heads stay whole: the split's scan would not fit in shared memory
+    sms = runtime.sm_count(q.device)
+    if intra_cp not in ("off", 1) and Tn > 0 and N > 0:
+        if varlen:  # the one read-back of cu_seqlens (none when the caller passes a CPU copy)
+            cu_host = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.cpu()
+            cu_host = cu_host.tolist() if torch.is_tensor(cu_host) else cu_host
+        else:
+            cu_host = [b * Tn for b in range(B + 1)]
+        plan = split.plan_split(cu_host, HV, V, intra_cp, sms)
+        if varlen:
+            tabs = plan.device_tensors(q.device)  # built from the host offsets, cached with the plan
+            seq_tab, seq_offsets, seq_order = tabs["seq_chunk_table"], tabs["seq_chunk_offsets"], tabs["seq_order"]
+        if plan.is_trivial:
+            plan = None
+
+    use_h0 = initial_state is not None
+    specs = plan_forward(H, HV, K, V, q.dtype, float(scale), varlen, use_h0, output_final_state, state_v_first,
+                         plan.num_parts if plan else N, sms, N if plan else 0, save_states, options)
+    g_cum, ag, chunk_tab = run_prepare(specs.prepare, k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
+    saved = ForwardSaved(g_cum, ag, chunk_tab, seq_offsets, cu)
+    store_states = specs.fused.kwargs.get("store_states", False)
+    if plan is not None:
+        o, final = _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_v_first, plan, specs,
+                                  saved, store_states)
+        return o, final, saved
+
+    sdims = (V, K) if state_v_first else (K, V)
+    dev = q.device
+    # without an initial state the kernel is built not to read one: a placeholder, not filled (no launch)
+    h0 = kernel_operand(initial_state.float()) if use_h0 else torch.empty(1, HV, *sdims, dtype=torch.float32, device=dev)
+    ht = torch.empty(N if output_final_state else 1, HV, *sdims, dtype=torch.float32, device=dev)
+    o = torch.empty(B, Tn, HV, V, dtype=q.dtype, device=dev)
+    if Tn > 0 and N > 0:
+        kern = runtime.compile_kernel(specs.fused)
+        states = ()
+        if store_states:
+            n_chunks = chunk_tab.shape[0] if varlen else B * (-(-Tn // CHUNK))
+            states = _state_outputs(saved, n_chunks, v, K)
+            if varlen:
+                if saved.chunk_offsets is None:
+                    saved.chunk_offsets = chunk_offsets(cu)
+                states += (saved.chunk_offsets,)
+        if varlen:
+            saved.walk_order = seq_order if seq_order is not None else walk_order(cu)
+            kern(q, k, v, ag, g_cum, cu, saved.walk_order, h0, o, ht, *states)
+        else:
+            kern(q, k, v, ag, g_cum, h0, o, ht, *states)
+    elif output_final_state:
+        ht.copy_(h0 if use_h0 else torch.zeros_like(ht))
+    return o, (ht if output_final_state else None), saved
+
+
+def _state_outputs(saved: ForwardSaved, n_chunks, v, K):
+    """Allocate the chunk states and v residuals the fused kernel writes with store_states, keep
+    them in `saved` for the backward and return them as kernel arguments."""
+    B, Tn, HV, V = v.shape
+    saved.h_states = torch.empty(n_chunks, HV, K, V, dtype=v.dtype, device=v.device)
+    saved.vres = torch.empty(B, Tn, HV, V, dtype=v.dtype, device=v.device)
+    return saved.h_states, saved.vres
+
+
+def _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_v_first, plan, specs: ForwardPlan,
+                   saved: ForwardSaved, store_states: bool):
+    """The forward with sequences cut into partitions, after the prepare kernel: (h, M) per
+    partition, the scan for each partition's entering state, then the fused walk over the
+    partitions. Returns (o, final state or None) and fills saved.split."""
+    B, Tn, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = q.device
+    # packed [1, B*T, ...] (B == 1 inputs already are: no reshape, each costs host time)
+    qf, kf, vf, agf, gf = (x.reshape(1, B * Tn, *x.shape[2:]) if B > 1 else x for x in (q, k, v, ag, g_cum))
+
+    idx = plan.device_tensors(dev)
+    starts, dh_walk = split.decay_tables(specs.split.decay_tables, gf, plan)
+    h_part, m_part = split.state_summaries(specs.split.summary, kf, vf, agf, gf, plan, starts)
+    h0 = state_kv_layout(initial_state, state_v_first) if initial_state is not None else None
+    s_in = split.scan_partitions(specs.split.scan, m_part, h_part, idx["seq_parts"], h0)
+
+    o = torch.empty(1, B * Tn, HV, V, dtype=q.dtype, device=dev)
+    ht = torch.empty(plan.num_parts if output_final_state else 1, HV, K, V, dtype=torch.float32, device=dev)
+    states = ()
+    if store_states:
+        states = (*_state_outputs(saved, int(idx["part_chunk_table"].shape[0]), vf, K), idx["part_chunk_offsets"])
+    runtime.compile_kernel(specs.fused)(qf, kf, vf, agf, gf, idx["part_cu"], idx["part_order"], s_in, o, ht, *states)
+    # each sequence's last partition, gathered into a tensor of its own: a slice would keep every
+    # partition's state alive for as long as the caller keeps the final states (a prefill's cache)
+    final = state_kv_layout(ht.index_select(0, idx["last_parts"]), state_v_first) if output_final_state else None
+    saved.split = SplitSaved(idx["part_cu"], idx["part_chunk_table"], idx["part_chunk_offsets"], idx["part_order"],
+                             idx["seq_parts"], idx["first_parts"], s_in, m_part, dh_walk)
+    return (o.reshape(B, Tn, HV, V) if B > 1 else o), final

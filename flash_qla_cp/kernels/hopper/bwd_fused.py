@@ -1,0 +1,458 @@
+"""Fused backward walk (sm_90a; KernelOptions.fused_walk): the dh walk and every
+per-chunk gradient in one warp-specialised kernel.
+
+One block per (sequence or partition, v-head) walks its chunks last to first with the whole
+state gradient dS [K, V] in fp32 registers and forms dv, dq, dk, dg and dbeta per chunk from
+tiles that stay on chip (the per-chunk formulas of `reference/backward.py`, those of the
+three-kernel backward): dh, dvn and the 64 x 64 intermediates never reach memory; the chunk
+states h and vres come from the h walk. The work of a chunk is shared by three warpgroups:
+
+* state (threads 0-127): dS [K, V] fp32 in registers and the chain that needs it: publish dS'
+  (bf16), k dS', dvn = P^T dO + exp(GL - G) k dS', t = Ag^T dvn (= dv), te = -exp(G) t, the
+  update dS = exp(GL) dS' + q^T (scale exp(G) dO) + k^T te; and, from dvn, the 64 x 64 chain
+  dAg = dvn vres^T, X = -(Ag^T dAg Ag^T) o Gam with its dG / dbeta sums (X o k k^T, dAg o Ag),
+  published as the one tile X + X^T (strictly lower / upper: dk needs only (X + X^T) k).
+* grad (threads 128-255): P = q k^T (gated, causal) for the state warpgroup, v_new, Pm, dq,
+  dk's terms ((X + X^T) k with the state warpgroup's tile), the other dG sums, dg and dbeta.
+* loader (threads 256-383, one warp): the chunk's inputs in three groups (Ag, vres, G, beta /
+  h, dO / q, k), each reloaded by TMA as soon as both consumers have released it.
+
+Hand-overs between the consumers, each a single shared buffer with a ready / free mbarrier pair:
+dS' (state -> grad), P (grad -> state), te and X + X^T (state -> grad; X's dG / dbeta sums go
+with it in r_s). The 64 x 64 chain sits with the state warpgroup so that both consumers stay busy
+(given only the dS chain, the state warpgroup idled ~70% of the time).
+
+Registers (setmaxnreg): state 256, grad 224, loader 24; shared memory 224 KiB of the 227 a
+block may have (checked by the CPU lowering tests). Only the grad warpgroup may reduce across
+warps: TileLang's cross-warp reduction syncs on fixed named barriers (1 and 2), so two
+warpgroups reducing at once would meet at the same barrier.
+Only the walk's first chunk (a sequence's or partition's last) can be partial; the loader zeroes
+its rows >= L after the TMA copies land, so no product needs more masks than the causal ones.
+
+Arguments: q, k [1,T,H,K]; do, vres [1,T,HV,V]; ag [1,T,HV,64] (dtype); gc, beta [1,T,HV]
+fp32; h [NC,HV,K,V] dtype (state entering each chunk); cu_seqlens, chunk_offsets [N+1] int32;
+order [N] int32 (the sequences in the order their blocks start, `kernels.tables.walk_order`);
+dht [NT,HV,K,V] fp32 (gradient of each sequence's final state; read when use_dht); outputs
+dq_part, dk_part [1,T,HV,K] dtype (per v-head: summed over each qk-head's v-heads afterwards,
+`kernels/backward.py`; with HV == H they are dq and dk), dv [1,T,HV,V] dtype,
+dg, db [1,T,HV] fp32 (dg already reverse-cumsummed inside the chunk), dh0 [N0,HV,K,V] fp32
+(written when store_dh0). Padding rows of a partial chunk carry q = k = v = 0 and beta = 0.
+"""
+
+from .common import CHUNK, LOG2E, import_tilelang, ordered_block, tl_dtype
+
+
+def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
+                              store_dh0: bool):
+    """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; see the module docstring)."""
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
+    dtype = tl_dtype(dtype)
+    grp = HV // H
+    scale = float(scale)
+    assert HV % H == 0 and K % 32 == 0 and V % 16 == 0 and K <= 128 and V <= 128
+    WG = 128
+    # registers per thread (setmaxnreg; 128 x (state + grad + loader) <= 64K)
+    STATE_REGS, GRAD_REGS, LOADER_REGS = 256, 224, 24
+    RS = 16  # rows per slice of the <S, dS'> reduction
+
+    Ttot = T.dynamic("num_tokens")
+    NC = T.dynamic("num_chunks")
+    N1 = T.dynamic("num_seqs_plus_one")
+    NS = T.dynamic("num_seqs")
+    NT = T.dynamic("n_dht")
+    N0 = T.dynamic("n_dh0")
+
+    @T.macro
+    def rowsum_times(x, y, row, r_s, slot):
+        # r_s[slot] = rowsum(x o y) (x, y [C, C] fp32 fragments; x is overwritten); a row sum
+        # stays inside each warp (see the state warpgroup's note on reductions)
+        for i, j in T.Parallel(C, C):
+            x[i, j] = x[i, j] * y[i, j]
+        T.reduce_sum(x, row, dim=1)
+        T.copy(row, r_s[slot, :])
+
+    @T.macro
+    def zero_rows(dst, L, width):
+        for i, d in T.Parallel(C, width):
+            if i >= L:
+                dst[i, d] = T.cast(0, dtype)
+
+    @T.prim_func
+    def gdn_bwd_fused_ws(
+        q: T.Tensor((1, Ttot, H, K), dtype),
+        k: T.Tensor((1, Ttot, H, K), dtype),
+        do: T.Tensor((1, Ttot, HV, V), dtype),
+        vres: T.Tensor((1, Ttot, HV, V), dtype),
+        ag: T.Tensor((1, Ttot, HV, C), dtype),
+        gc: T.Tensor((1, Ttot, HV), acc),
+        beta: T.Tensor((1, Ttot, HV), acc),
+        h: T.Tensor((NC, HV, K, V), dtype),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_offsets: T.Tensor((N1,), "int32"),
+        order: T.Tensor((NS,), "int32"),
+        dht: T.Tensor((NT, HV, K, V), acc),
+        dq_part: T.Tensor((1, Ttot, HV, K), dtype),
+        dk_part: T.Tensor((1, Ttot, HV, K), dtype),
+        dv: T.Tensor((1, Ttot, HV, V), dtype),
+        dg: T.Tensor((1, Ttot, HV), acc),
+        db: T.Tensor((1, Ttot, HV), acc),
+        dh0: T.Tensor((N0, HV, K, V), acc),
+    ):
+        with T.Kernel(N1 - 1, HV, threads=3 * WG) as (bn, bhv_block):
+            n, bhv = ordered_block(order, bn, bhv_block, N1 - 1, HV)  # longest sequences first
+            bh = bhv // grp
+            s0 = cu_seqlens[n]
+            seq_len = cu_seqlens[n + 1] - s0
+            c_first = chunk_offsets[n]
+            n_chunks = T.ceildiv(seq_len, C)
+
+            # inputs, in three load groups: A (Ag, vres, G, beta), B (h, dO), C (q, k)
+            a_s = T.alloc_shared((C, C), dtype)
+            vr_s = T.alloc_shared((C, V), dtype)
+            g_s = T.alloc_shared((2, C), acc)  # G and beta: two slots (read to the chunk's end)
+            b_s = T.alloc_shared((2, C), acc)
+            h_s = T.alloc_shared((K, V), dtype)
+            do_s = T.alloc_shared((C, V), dtype)
+            q_s = T.alloc_shared((C, K), dtype)
+            k_s = T.alloc_shared((C, K), dtype)
+            # hand-overs between the state and grad warpgroups
+            dh_s = T.alloc_shared((K, V), dtype)  # dS' (gradient of the state leaving the chunk)
+            p_s = T.alloc_shared((C, C), dtype)  # P
+            te_s = T.alloc_shared((C, V), dtype)  # -exp(G) t
+            x_s = T.alloc_shared((C, C), dtype)  # X
+            # row / column sums for dG and dbeta: 0 colsum(dAg o Ag), 1 / 2 row / col of X o kk^T
+            # (state); 3 / 4 row / col of Pm o qk^T, 5 the q term, 6 the -E t S^T term, 7 the
+            # v_new dS'^T term (grad)
+            r_s = T.alloc_shared((8, C), acc)
+            # private to the state warpgroup
+            dvn_s = T.alloc_shared((C, V), dtype)  # dvn, then scale exp(G) dO
+            da_s = T.alloc_shared((C, C), dtype)  # dAg, then dAg Ag^T
+            # private to the grad warpgroup
+            vn_s = T.alloc_shared((C, V), dtype)  # v_new
+            pm_s = T.alloc_shared((C, C), dtype)  # Pm
+            dg_s = T.alloc_shared((C,), acc)
+            sc_s = T.alloc_shared((2,), acc)
+
+            # state warpgroup
+            ds_f = T.alloc_fragment((K, V), acc)
+            cv_f = T.alloc_fragment((C, V), acc)
+            sa_f = T.alloc_fragment((C, C), acc)
+            sx_f = T.alloc_fragment((C, C), acc)
+            srow_f = T.alloc_fragment((C,), acc)
+            glast_s = T.alloc_var(acc)
+            # grad warpgroup
+            qk_f = T.alloc_fragment((C, C), acc)
+            cc_f = T.alloc_fragment((C, C), acc)
+            x_f = T.alloc_fragment((C, C), acc)
+            vn_f = T.alloc_fragment((C, V), acc)
+            acc_f = T.alloc_fragment((C, K), acc)  # dq, then dk
+            tmp_f = T.alloc_fragment((C, K), acc)
+            hd_f = T.alloc_fragment((RS, V), acc)
+            hrow_f = T.alloc_fragment((RS,), acc)
+            row_f = T.alloc_fragment((C,), acc)
+            col_f = T.alloc_fragment((C,), acc)
+            one_f = T.alloc_fragment((1,), acc)
+            glast_g = T.alloc_var(acc)
+
+            landed = T.alloc_barrier(arrive_count=32)  # the walk's first tiles (the loader waits)
+            ready_a = T.alloc_barrier(arrive_count=32)  # the loader warp's arrivals + TMA bytes
+            ready_b = T.alloc_barrier(arrive_count=32)
+            ready_c = T.alloc_barrier(arrive_count=32)
+            free_a = T.alloc_barrier(arrive_count=2 * WG)  # both consumers are done with a group
+            free_b = T.alloc_barrier(arrive_count=2 * WG)
+            free_c = T.alloc_barrier(arrive_count=2 * WG)
+            ds_ready = T.alloc_barrier(arrive_count=WG)
+            ds_free = T.alloc_barrier(arrive_count=WG)
+            p_ready = T.alloc_barrier(arrive_count=WG)
+            p_free = T.alloc_barrier(arrive_count=WG)
+            x_ready = T.alloc_barrier(arrive_count=WG)
+            x_free = T.alloc_barrier(arrive_count=WG)
+            te_ready = T.alloc_barrier(arrive_count=WG)
+            te_free = T.alloc_barrier(arrive_count=WG)
+
+            tx = T.get_thread_binding()
+
+            # A wait with parity (cc + 1) % 2 is for the previous chunk's arrival: it passes at
+            # once for cc = 0 (a fresh mbarrier counts its phase before the first as complete).
+            if tx < WG:
+                # ---------------- state warpgroup ----------------
+                T.set_max_nreg(STATE_REGS, 1)
+                if use_dht:
+                    T.copy(dht[n, bhv, :, :], ds_f)
+                else:
+                    T.clear(ds_f)
+                for cc in T.serial(n_chunks):
+                    c = n_chunks - 1 - cc
+                    t0 = s0 + c * C
+                    L = T.min(seq_len - c * C, C)
+                    s = cc % 2
+                    ph = cc % 2
+                    T.barrier_wait(ds_free, (cc + 1) % 2)  # grad has read the last chunk's dS'
+                    T.copy(ds_f, dh_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ds_ready)
+                    T.barrier_wait(ready_c, ph)
+                    T.barrier_wait(ready_a, ph)
+                    T.gemm(k_s, dh_s, cv_f, clear_accum=True)
+                    glast_s = g_s[s, C - 1]
+                    for i, d in T.Parallel(C, V):
+                        cv_f[i, d] = cv_f[i, d] * T.exp2((glast_s - g_s[s, i]) * LOG2E)
+                    # dvn = P^T dO + diag(exp(GL - G)) k dS'  (rows >= L zero)
+                    T.barrier_wait(ready_b, ph)
+                    T.barrier_wait(p_ready, ph)
+                    T.gemm(p_s, do_s, cv_f, transpose_A=True)
+                    T.barrier_arrive(p_free)
+                    for i, d in T.Parallel(C, V):
+                        cv_f[i, d] = T.if_then_else(i < L, cv_f[i, d], T.float32(0))
+                    T.copy(cv_f, dvn_s)
+                    T.fence_proxy_async()
+                    # t = Ag^T dvn (= dv); te = -exp(G) t for the grad warpgroup
+                    T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
+                    for i, d in T.Parallel(C, V):
+                        if i < L:
+                            dv[0, t0 + i, bhv, d] = cv_f[i, d]
+                    for i, d in T.Parallel(C, V):
+                        cv_f[i, d] = -cv_f[i, d] * T.exp2(g_s[s, i] * LOG2E)
+                    T.barrier_wait(te_free, (cc + 1) % 2)
+                    T.copy(cv_f, te_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(te_ready)
+                    # Column sums here are row sums of the transposed products: a row sum is a
+                    # shuffle inside each warp, while a column sum crosses warps through TileLang's
+                    # named barrier 1, which the grad warpgroup's reductions use at the same time
+                    # (v2 did that: dg came out non-deterministic).
+                    # dAg = tril_incl(dvn vres^T) -> da_s
+                    T.gemm(dvn_s, vr_s, sa_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        sa_f[i, j] = T.if_then_else(i >= j, sa_f[i, j], T.float32(0))
+                    T.copy(sa_f, da_s)
+                    T.fence_proxy_async()
+                    # colsum(dAg o Ag) (feeds dbeta) = rowsum(dAg^T o Ag^T), dAg^T = vres dvn^T
+                    T.gemm(vr_s, dvn_s, sx_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        sx_f[i, j] = sx_f[i, j] * a_s[j, i]
+                    for i, j in T.Parallel(C, C):
+                        sx_f[i, j] = T.if_then_else(j >= i, sx_f[i, j], T.float32(0))
+                    T.reduce_sum(sx_f, srow_f, dim=1)
+                    T.copy(srow_f, r_s[0, :])
+                    # M = dAg Ag^T -> da_s; X = -(Ag^T M) o Gam, strictly lower (= diag(beta) dA o Gam)
+                    T.gemm(da_s, a_s, sa_f, transpose_B=True, clear_accum=True)
+                    T.copy(sa_f, da_s)
+                    T.fence_proxy_async()
+                    T.gemm(a_s, da_s, sx_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        sx_f[i, j] = -sx_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E)
+                    for i, j in T.Parallel(C, C):
+                        sx_f[i, j] = T.if_then_else(i > j, sx_f[i, j], T.float32(0))
+                    # rowsum(X o k k^T) feeds dG and dbeta (k k^T kept in sa_f for the X^T sums)
+                    T.gemm(k_s, k_s, sa_f, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(x_free, (cc + 1) % 2)
+                    T.copy(sx_f, x_s)
+                    rowsum_times(sx_f, sa_f, srow_f, r_s, 1)
+                    # colsum(X o k k^T) = rowsum(X^T o k k^T), X^T = -(M^T Ag) o Gam^T, strictly upper
+                    T.gemm(da_s, a_s, sx_f, transpose_A=True, clear_accum=True)
+                    T.barrier_arrive(free_a)
+                    for i, j in T.Parallel(C, C):
+                        sx_f[i, j] = -sx_f[i, j] * T.exp2(T.min(g_s[s, j] - g_s[s, i], T.float32(0)) * LOG2E)
+                    for i, j in T.Parallel(C, C):
+                        sx_f[i, j] = T.if_then_else(j > i, sx_f[i, j], T.float32(0))
+                    # x_s becomes X + X^T (disjoint triangles): the grad warpgroup's dk needs only
+                    # (X + X^T) k, one GEMM instead of two
+                    for i, j in T.Parallel(C, C):
+                        if j > i:
+                            x_s[i, j] = sx_f[i, j]
+                    T.fence_proxy_async()
+                    rowsum_times(sx_f, sa_f, srow_f, r_s, 2)
+                    T.barrier_arrive(x_ready)  # X and the sums 0-2 of r_s
+                    # scale exp(G) dO into dvn's tile for the update
+                    for i, d in T.Parallel(C, V):
+                        cv_f[i, d] = T.cast(do_s[i, d], acc) * (T.exp2(g_s[s, i] * LOG2E) * scale)
+                    T.barrier_arrive(free_b)
+                    T.copy(cv_f, dvn_s)
+                    T.fence_proxy_async()
+                    # dS = exp(GL) dS' + q^T (scale E dO) + k^T te
+                    for i, d in T.Parallel(K, V):
+                        ds_f[i, d] = ds_f[i, d] * T.exp2(glast_s * LOG2E)
+                    T.gemm(q_s, dvn_s, ds_f, transpose_A=True)
+                    T.gemm(k_s, te_s, ds_f, transpose_A=True)
+                    T.barrier_arrive(free_c)
+                if store_dh0:
+                    T.copy(ds_f, dh0[n, bhv, :, :])
+            elif tx < 2 * WG:
+                # ---------------- grad warpgroup ----------------
+                T.set_max_nreg(GRAD_REGS, 1)
+                for cc in T.serial(n_chunks):
+                    c = n_chunks - 1 - cc
+                    t0 = s0 + c * C
+                    L = T.min(seq_len - c * C, C)
+                    s = cc % 2
+                    ph = cc % 2
+                    T.barrier_wait(ready_c, ph)
+                    T.barrier_wait(ready_a, ph)
+                    glast_g = g_s[s, C - 1]
+                    # P = scale tril_incl(q k^T o Gam) for the state warpgroup. Gate, mask, store
+                    # in loops of their own (the elementwise rule, hopper/common.py); G falls along
+                    # the chunk, so the clamp changes only masked entries.
+                    T.gemm(q_s, k_s, qk_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = qk_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E) * scale
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j], T.float32(0))
+                    T.barrier_wait(p_free, (cc + 1) % 2)
+                    T.copy(cc_f, p_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(p_ready)
+                    # v_new = Ag vres (the grad warpgroup's last read of Ag and vres)
+                    T.gemm(a_s, vr_s, vn_f, clear_accum=True)
+                    T.barrier_arrive(free_a)
+                    T.copy(vn_f, vn_s)
+                    T.fence_proxy_async()
+                    # Pm = scale tril_incl(dO v_new^T o Gam) -> pm_s; Pm o q k^T feeds dG
+                    T.barrier_wait(ready_b, ph)
+                    T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = cc_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E) * scale
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j], T.float32(0))
+                        x_f[i, j] = cc_f[i, j] * qk_f[i, j]
+                    T.copy(cc_f, pm_s)
+                    T.fence_proxy_async()
+                    T.reduce_sum(x_f, row_f, dim=1)
+                    # batched: two barrier pairs for the 16 columns a thread holds instead of 16
+                    # pairs (the unbatched sum took ~22% of this warpgroup's time, ncu); 8, not 16:
+                    # its workspace (batch x 128 floats) has to fit in what shared memory is left
+                    T.reduce_sum(x_f, col_f, dim=0, batch=8)
+                    T.copy(row_f, r_s[3, :])
+                    T.copy(col_f, r_s[4, :])
+                    # dq = scale E dO S^T + Pm k
+                    T.gemm(do_s, h_s, acc_f, transpose_B=True, clear_accum=True)
+                    for i, d in T.Parallel(C, K):
+                        acc_f[i, d] = acc_f[i, d] * (T.exp2(g_s[s, i] * LOG2E) * scale)
+                    for i, d in T.Parallel(C, K):
+                        tmp_f[i, d] = acc_f[i, d] * q_s[i, d]
+                    T.reduce_sum(tmp_f, row_f, dim=1)
+                    T.copy(row_f, r_s[5, :])
+                    T.gemm(pm_s, k_s, acc_f)
+                    for i, d in T.Parallel(C, K):
+                        if i < L:
+                            dq_part[0, t0 + i, bhv, d] = acc_f[i, d]
+                    # dk = Pm^T q + diag(exp(GL - G)) v_new dS'^T + X k + X^T k - E t S^T
+                    T.gemm(pm_s, q_s, acc_f, transpose_A=True, clear_accum=True)
+                    T.barrier_wait(ds_ready, ph)
+                    # exp(GL) <S, dS'> (S = h, the state entering the chunk), in row slices
+                    T.clear(hd_f)
+                    for sl in T.serial(K // RS):
+                        for i, d in T.Parallel(RS, V):
+                            hd_f[i, d] += T.cast(h_s[sl * RS + i, d], acc) * T.cast(dh_s[sl * RS + i, d], acc)
+                    T.reduce_sum(hd_f, hrow_f, dim=1)
+                    T.reduce_sum(hrow_f, one_f, dim=0)
+                    sc_s[0] = one_f[0] * T.exp2(glast_g * LOG2E)
+                    T.gemm(vn_s, dh_s, tmp_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(ds_free)
+                    for i, d in T.Parallel(C, K):
+                        tmp_f[i, d] = tmp_f[i, d] * T.exp2((glast_g - g_s[s, i]) * LOG2E)
+                    for i, d in T.Parallel(C, K):
+                        acc_f[i, d] = acc_f[i, d] + tmp_f[i, d]
+                    for i, d in T.Parallel(C, K):
+                        tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
+                    T.reduce_sum(tmp_f, row_f, dim=1)
+                    T.copy(row_f, r_s[7, :])
+                    T.reduce_sum(row_f, one_f, dim=0)
+                    sc_s[1] = one_f[0]
+                    # X k + X^T k = (X + X^T) k (x_s and the dG / dbeta sums from the state warpgroup)
+                    T.barrier_wait(x_ready, ph)
+                    T.gemm(x_s, k_s, acc_f)
+                    T.barrier_arrive(x_free)
+                    # - E t S^T (te = -E t from the state warpgroup)
+                    T.barrier_wait(te_ready, ph)
+                    T.gemm(te_s, h_s, tmp_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(te_free)
+                    T.barrier_arrive(free_b)
+                    for i, d in T.Parallel(C, K):
+                        acc_f[i, d] = acc_f[i, d] + tmp_f[i, d]
+                    for i, d in T.Parallel(C, K):
+                        tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
+                    T.reduce_sum(tmp_f, row_f, dim=1)
+                    T.copy(row_f, r_s[6, :])
+                    for i, d in T.Parallel(C, K):
+                        if i < L:
+                            dk_part[0, t0 + i, bhv, d] = acc_f[i, d]
+                    T.barrier_arrive(free_c)
+                    # dG (reverse cumsum inside the chunk) and dbeta
+                    for i in T.Parallel(C):
+                        dg_s[i] = (
+                            r_s[5, i] + r_s[6, i] - r_s[7, i] + r_s[3, i] - r_s[4, i] + r_s[1, i] - r_s[2, i]
+                            + T.if_then_else(i == L - 1, sc_s[0] + sc_s[1], T.float32(0))
+                        )
+                    # reverse cumsum as a masked row sum: T.cumsum's scan indexes threads from 0
+                    # (TileLang 0.1.15 scan.h) and would skip this warpgroup's threads 128-255
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = dg_s[j]
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(j >= i, cc_f[i, j], T.float32(0))
+                    T.reduce_sum(cc_f, row_f, dim=1)
+                    for i in T.Parallel(C):
+                        if i < L:
+                            dg[0, t0 + i, bhv] = row_f[i]
+                            db[0, t0 + i, bhv] = T.if_then_else(
+                                b_s[s, i] != T.float32(0), (r_s[1, i] + r_s[0, i]) / b_s[s, i], T.float32(0)
+                            )
+            else:
+                # ---------------- loader: one warp ----------------
+                T.set_max_nreg(LOADER_REGS, 0)
+                if tx < 2 * WG + 32:
+                    if n_chunks > 0:
+                        # the walk's first chunk (the sequence's last, the only one that can be
+                        # partial)
+                        t_first = s0 + (n_chunks - 1) * C
+                        L_first = seq_len - (n_chunks - 1) * C
+                        for i in T.Parallel(C):
+                            g_s[0, i] = gc[0, t_first + T.min(i, L_first - 1), bhv]
+                            b_s[0, i] = T.if_then_else(i < L_first, beta[0, t_first + T.min(i, L_first - 1), bhv],
+                                                       T.float32(0))
+                        # whole tiles by TMA; for a partial chunk the loader waits for them and
+                        # zeroes rows >= L (the next sequence's tokens, or past the tensor: zeros)
+                        # before releasing them
+                        T.tma_copy(ag[0, t_first : t_first + C, bhv, :], a_s, barrier=landed)
+                        T.tma_copy(vres[0, t_first : t_first + C, bhv, :], vr_s, barrier=landed)
+                        T.tma_copy(h[c_first + n_chunks - 1, bhv, :, :], h_s, barrier=landed)
+                        T.tma_copy(do[0, t_first : t_first + C, bhv, :], do_s, barrier=landed)
+                        T.tma_copy(q[0, t_first : t_first + C, bh, :], q_s, barrier=landed)
+                        T.tma_copy(k[0, t_first : t_first + C, bh, :], k_s, barrier=landed)
+                        T.barrier_arrive(landed)
+                        T.barrier_wait(landed, 0)
+                        if L_first < C:
+                            zero_rows(a_s, L_first, C)
+                            zero_rows(vr_s, L_first, V)
+                            zero_rows(do_s, L_first, V)
+                            zero_rows(q_s, L_first, K)
+                            zero_rows(k_s, L_first, K)
+                            T.fence_proxy_async()
+                        T.barrier_arrive(ready_a)
+                        T.barrier_arrive(ready_b)
+                        T.barrier_arrive(ready_c)
+                    # every later chunk is whole
+                    for cn in T.serial(n_chunks - 1):
+                        cc = cn + 1
+                        c = n_chunks - 1 - cc
+                        t0 = s0 + c * C
+                        s = cc % 2
+                        T.barrier_wait(free_a, cn % 2)
+                        for i in T.Parallel(C):
+                            g_s[s, i] = gc[0, t0 + i, bhv]
+                            b_s[s, i] = beta[0, t0 + i, bhv]
+                        T.tma_copy(ag[0, t0 : t0 + C, bhv, :], a_s, barrier=ready_a)
+                        T.tma_copy(vres[0, t0 : t0 + C, bhv, :], vr_s, barrier=ready_a)
+                        T.barrier_arrive(ready_a)
+                        T.barrier_wait(free_b, cn % 2)
+                        T.tma_copy(h[c_first + c, bhv, :, :], h_s, barrier=ready_b)
+                        T.tma_copy(do[0, t0 : t0 + C, bhv, :], do_s, barrier=ready_b)
+                        T.barrier_arrive(ready_b)
+                        T.barrier_wait(free_c, cn % 2)
+                        T.tma_copy(q[0, t0 : t0 + C, bh, :], q_s, barrier=ready_c)
+                        T.tma_copy(k[0, t0 : t0 + C, bh, :], k_s, barrier=ready_c)
+                        T.barrier_arrive(ready_c)
+
+    return gdn_bwd_fused_ws

@@ -1,0 +1,179 @@
+"""Prepare kernel (sm_90a): per (chunk, v-head), the chunk-local cumulative gate G and the gated
+UT matrix Ag that every later kernel reads.
+
+    G      = chunk-local inclusive cumsum of g                        (fp32)
+    Lm_ij  = beta_i (k_i . k_j)            for i > j, else 0          (no gating)
+    M      = (I + Lm)^-1                                              (unit lower triangular)
+    Ag_ij  = M_ij exp(G_i - G_j) beta_j    for j <= i < L, else 0
+
+The inverse: 16 x 16 diagonal blocks by column-wise substitution, then the nilpotent block
+series M = D - E (D - E (D - E D)), E = D N, with tensor-core MMAs in `inv_dtype`.
+"""
+
+# (no `from __future__ import annotations`: TileLang evaluates the kernel signatures)
+
+from .common import CHUNK, LOG2E, import_tilelang, tl_dtype
+
+
+def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, threads: int = 128,
+                         inv_dtype: str = "float16"):
+    """PrimFunc computing G (cumsum of g) and Ag for every chunk and v-head.
+
+    Non-varlen arguments: k [B,T,H,K] dtype, g [B,T,HV] fp32, beta [B,T,HV] fp32,
+    g_out [B,T,HV] fp32, a_out [B,T,HV,64] dtype.
+    Varlen adds cu_seqlens [N+1] int32 and chunk_table [NC,2] int32 (B == 1).
+    """
+    _, T = import_tilelang()
+    C = CHUNK
+    acc = "float32"
+    dtype = tl_dtype(dtype)
+    G = HV // H
+    assert HV % H == 0
+
+    @T.macro
+    def body(k, g, beta, g_out, a_out, bb, bhv, t0, L):
+        bh = bhv // G
+        k_s = T.alloc_shared((C, K), dtype)
+        g_s = T.alloc_shared((C,), acc)
+        b_s = T.alloc_shared((C,), acc)
+        kk_f = T.alloc_fragment((C, C), acc)
+        # inversion operands: fp16 (wgmma, same 10-bit mantissa as tf32) or fp32 (tf32 mma)
+        n_s = T.alloc_shared((C, C), inv_dtype)  # beta k k^T strictly lower -> then N -> then E
+        d_s = T.alloc_shared((C, C), inv_dtype)  # inverse of the block-diagonal part
+        z_s = T.alloc_shared((C, C), inv_dtype)
+        z_f = T.alloc_fragment((C, C), acc)
+        out_s = T.alloc_shared((C, C), dtype)
+        col = T.alloc_local((16,), acc)
+        run = T.alloc_local((1,), acc)
+
+        tx = T.get_thread_binding()
+
+        if L == C:
+            T.copy(k[bb, t0 : t0 + C, bh, :], k_s)
+        else:
+            # Rows >= L are zero: clamped-row loads (L >= 1), then the zeros in a store-only loop
+            # (the elementwise rule, hopper/common.py: no load under a condition).
+            for i, d in T.Parallel(C, K):
+                k_s[i, d] = k[bb, t0 + T.min(i, L - 1), bh, d]
+            for i, d in T.Parallel(C, K):
+                if i >= L:
+                    k_s[i, d] = T.cast(0, dtype)
+        for i in T.Parallel(C):
+            if i < L:
+                g_s[i] = g[bb, t0 + i, bhv]
+                b_s[i] = beta[bb, t0 + i, bhv]
+            else:
+                g_s[i] = T.float32(0)
+                b_s[i] = T.float32(0)
+        T.cumsum(g_s, dim=0)
+        for i in T.Parallel(C):
+            if i < L:
+                g_out[bb, t0 + i, bhv] = g_s[i]
+
+        T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+        # compute in registers, mask, then store: loops of their own (the elementwise rule,
+        # hopper/common.py)
+        for i, j in T.Parallel(C, C):
+            kk_f[i, j] = kk_f[i, j] * b_s[i]
+        for i, j in T.Parallel(C, C):
+            kk_f[i, j] = T.if_then_else(i > j, kk_f[i, j], T.float32(0))
+        T.copy(kk_f, n_s)
+        for i, j in T.Parallel(C, C):
+            kk_f[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))
+        T.copy(kk_f, d_s)
+        T.sync_threads()
+
+        # Column-wise forward substitution inside each 16x16 diagonal block: thread (blk, c)
+        # owns column c of block blk in registers, so it needs no other thread's results.
+        if tx < 64:
+            blk = tx // 16
+            c = tx % 16
+            for r in T.unroll(16):
+                col[r] = T.if_then_else(r == c, T.float32(1), T.float32(0))
+            for r in T.unroll(1, 16):
+                run[0] = T.float32(0)
+                for m in T.unroll(r):
+                    run[0] += T.cast(n_s[blk * 16 + r, blk * 16 + m], acc) * col[m]
+                if r > c:
+                    col[r] = -run[0]
+            for r in T.unroll(16):
+                d_s[blk * 16 + r, blk * 16 + c] = T.cast(col[r], inv_dtype)
+        T.sync_threads()
+        # keep only the strictly block-lower part N
+        for i, j in T.Parallel(C, C):
+            if i // 16 == j // 16:
+                n_s[i, j] = T.cast(0, inv_dtype)
+
+        # (I + Lm)^-1 = (I + E)^-1 D with E = D N nilpotent of order 4:
+        # M = D - E (D - E (D - E D)).
+        T.gemm(d_s, n_s, z_f, clear_accum=True)
+        T.copy(z_f, n_s)  # n_s now holds E
+        T.gemm(n_s, d_s, z_f, clear_accum=True)
+        # z = D - E (...) in registers, then stored by itself (rounded to inv_dtype by the copy)
+        for i, j in T.Parallel(C, C):
+            z_f[i, j] = T.cast(d_s[i, j], acc) - z_f[i, j]
+        T.copy(z_f, z_s)
+        T.gemm(n_s, z_s, z_f, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            z_f[i, j] = T.cast(d_s[i, j], acc) - z_f[i, j]
+        T.copy(z_f, z_s)
+        T.gemm(n_s, z_s, z_f, clear_accum=True)
+        # Gated for every entry, then masked in a loop without loads. No clamp of the exponent:
+        # entries above the diagonal may overflow to inf / NaN, but the select discards them
+        # (a clamp could change valid entries wherever the cumsum is not exactly monotone).
+        for i, j in T.Parallel(C, C):
+            z_f[i, j] = (T.cast(d_s[i, j], acc) - z_f[i, j]) * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j]
+        for i, j in T.Parallel(C, C):
+            z_f[i, j] = T.if_then_else((i >= j) and (i < L) and (j < L), z_f[i, j], T.float32(0))
+        T.copy(z_f, out_s)
+        if L == C:
+            T.copy(out_s, a_out[bb, t0 : t0 + C, bhv, :])
+        else:
+            for i, j in T.Parallel(C, C):
+                if i < L:
+                    a_out[bb, t0 + i, bhv, j] = out_s[i, j]
+
+    if is_varlen:
+        Ttot = T.dynamic("num_tokens")
+        NC = T.dynamic("num_chunks")
+        N1 = T.dynamic("num_seqs_plus_one")
+
+        @T.prim_func
+        def gdn_fwd_prepare_varlen(
+            k: T.Tensor((1, Ttot, H, K), dtype),
+            g: T.Tensor((1, Ttot, HV), acc),
+            beta: T.Tensor((1, Ttot, HV), acc),
+            cu_seqlens: T.Tensor((N1,), "int32"),
+            chunk_tab: T.Tensor((NC, 2), "int32"),
+            g_out: T.Tensor((1, Ttot, HV), acc),
+            a_out: T.Tensor((1, Ttot, HV, C), dtype),
+        ):
+            with T.Kernel(NC, HV, threads=threads) as (bc, bhv):
+                n = chunk_tab[bc, 0]
+                ci = chunk_tab[bc, 1]
+                s0 = cu_seqlens[n]
+                t0 = s0 + ci * C
+                L = T.min(cu_seqlens[n + 1] - t0, C)
+                body(k, g, beta, g_out, a_out, 0, bhv, t0, L)
+
+        return gdn_fwd_prepare_varlen
+
+    B = T.dynamic("batch")
+    Tlen = T.dynamic("seq_len")
+
+    @T.prim_func
+    def gdn_fwd_prepare(
+        k: T.Tensor((B, Tlen, H, K), dtype),
+        g: T.Tensor((B, Tlen, HV), acc),
+        beta: T.Tensor((B, Tlen, HV), acc),
+        g_out: T.Tensor((B, Tlen, HV), acc),
+        a_out: T.Tensor((B, Tlen, HV, C), dtype),
+    ):
+        with T.Kernel(T.ceildiv(Tlen, C), B * HV, threads=threads) as (bc, bbh):
+            bb = bbh // HV
+            bhv = bbh % HV
+            t0 = bc * C
+            L = T.min(Tlen - t0, C)
+            body(k, g, beta, g_out, a_out, bb, bhv, t0, L)
+
+    return gdn_fwd_prepare

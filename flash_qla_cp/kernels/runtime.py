@@ -1,0 +1,169 @@
+"""Compiling and launching the Hopper kernels: kernel specs, the in-process cache, parallel
+precompilation, the direct launch path and the operand rules.
+
+Host code launches every kernel as `runtime.compile_kernel(spec)(*args)`; that one call is where
+tests record launches instead of running them, and where a GPU run logs the kernels it built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .hopper.common import default_pass_configs, import_tilelang
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel: its factory (a function of `kernels.hopper` returning a PrimFunc) and the
+    parameters it is built with (sorted (name, value) pairs, so that a spec is hashable and
+    two equal specs are one cache entry)."""
+
+    factory: Callable
+    params: tuple
+
+    @classmethod
+    def of(cls, factory, **params) -> "KernelSpec":
+        return cls(factory, tuple(sorted(params.items())))
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.params)
+
+    @property
+    def name(self) -> str:
+        return self.factory.__name__
+
+    def replace(self, **params) -> "KernelSpec":
+        return KernelSpec.of(self.factory, **{**self.kwargs, **params})
+
+    def build(self):
+        """The PrimFunc (no GPU needed)."""
+        return self.factory(**self.kwargs)
+
+
+_SM_COUNTS: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (asked once per device; grids are sized by it)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNTS.get(idx)
+    if count is None:
+        count = _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return count
+
+
+# The walk kernels run one block per SM (their shared memory), so a grid "fills the GPU" once
+# its blocks cover ~90% of the SMs: the rule behind the forward's V tiles, the split backward's
+# V tiles and the fused backward walk.
+GRID_FILL_FRACTION = 0.9
+
+
+def grid_fills_gpu(blocks: int, sms: int) -> bool:
+    return blocks >= GRID_FILL_FRACTION * sms
+
+
+# When set, every kernel built in this process is appended to this file as one JSON line
+# (module, factory, params): a GPU run lists the kernels it used, so that the next one can have
+# them built beforehand on a CPU machine (tools/precompile_cache.py reads the file).
+KERNEL_LOG_ENV = "FLASH_QLA_CP_KERNEL_LOG"
+
+
+def _log_kernel(spec: KernelSpec):
+    path = os.environ.get(KERNEL_LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"module": spec.factory.__module__, "factory": spec.factory.__qualname__,
+                                "params": spec.kwargs}) + "\n")
+
+
+class DirectLaunch:
+    """A compiled kernel called through its module's entry function. Our kernels take every
+    output as an argument (no `out_idx`), so TileLang's adapter, which would allocate outputs,
+    only re-packs the arguments on each call (H200: 10-19 us of host time per launch through
+    the adapter, 6-13 direct). The entry function still checks each argument's shape, dtype and
+    device against the kernel's signature."""
+
+    __slots__ = ("kernel", "_entry")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._entry = None
+
+    def __call__(self, *args):
+        entry = self._entry
+        if entry is None:  # looked up on first launch: loading the module needs the GPU
+            entry = self._entry = self._entry_function()
+        entry(*args)
+
+    def _entry_function(self):
+        get_executable = getattr(self.kernel.adapter, "_get_executable", None)  # TileLang's tvm-ffi adapter
+        if get_executable is None:  # another execution backend: its own call path
+            return self.kernel
+        executable = get_executable()
+        # a kernel compiled in this process gives a tvm Executable (its runnable module comes from
+        # jit()); one loaded from TileLang's disk cache gives the module itself
+        module = executable.jit() if hasattr(executable, "jit") else executable
+        return module.main
+
+
+_compile_lock = threading.Lock()
+_launchers: dict = {}
+
+
+def compile_kernel(spec: KernelSpec) -> DirectLaunch:
+    """The launcher of `spec`, compiled on first use and reused after.
+
+    Dynamic sizes (token count, number of chunks, number of sequences) are symbolic inside the
+    kernels, so they do not trigger recompilation."""
+    launcher = _launchers.get(spec)
+    if launcher is None:
+        with _compile_lock:
+            launcher = _launchers.get(spec)
+            if launcher is None:
+                tilelang, _ = import_tilelang()
+                kernel = tilelang.compile(spec.build(), target="cuda", pass_configs=default_pass_configs())
+                launcher = _launchers[spec] = DirectLaunch(kernel)
+                _log_kernel(spec)
+    return launcher
+
+
+def precompile(specs, num_workers: int = 8) -> int:
+    """Compile many specs in parallel (tilelang.par_compile) into the cache; returns how many
+    were compiled (those already cached are skipped)."""
+    todo = list(dict.fromkeys(s for s in specs if s not in _launchers))
+    if not todo:
+        return 0
+    tilelang, _ = import_tilelang()
+    kernels = tilelang.par_compile([s.build() for s in todo], target="cuda", pass_configs=default_pass_configs(),
+                                   num_workers=num_workers)
+    with _compile_lock:
+        for spec, kernel in zip(todo, kernels):
+            _launchers.setdefault(spec, DirectLaunch(kernel))
+            _log_kernel(spec)
+    return len(todo)
+
+
+def kernel_operand(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous and 16-byte aligned, as the kernels' vector and TMA loads need. A view at an
+    odd element offset (e.g. x[1:] of a gathered buffer) is contiguous but misaligned: copy it."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def state_kv_layout(state: torch.Tensor, state_v_first: bool) -> torch.Tensor:
+    """fp32 contiguous state as [..., K, V] when the caller's layout is [..., V, K]
+    (state_v_first), else as given; the same swap turns a [..., K, V] result back."""
+    state = state.float()
+    return kernel_operand(state.transpose(-1, -2) if state_v_first else state)
+
+
+def as_dtype(x: torch.Tensor, dtype) -> torch.Tensor:
+    """x in `dtype`, without a torch call when it already is (host time on every launch path)."""
+    return x if x.dtype == dtype else x.to(dtype)

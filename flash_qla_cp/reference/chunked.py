@@ -1,0 +1,145 @@
+"""Chunked gated delta rule in plain torch (chunk C = 64, WY/UT representation).
+
+This is the CPU path of the library and the reference for the TileLang kernels. It is
+differentiable through autograd, handles varlen (cu_seqlens), GVA, initial/final states
+and any float dtype: half inputs are computed in fp32, float64 stays float64.
+
+Per chunk of length C, with G = cumsum(g) inside the chunk and S the incoming state:
+    A_ij   = beta_i (k_i . k_j) exp(G_i - G_j)          for i > j   (strictly lower)
+    Tm     = (I + A)^-1
+    w      = Tm (beta exp(G) k),     u = Tm (beta v)
+    v_new  = u - w S                                    (the delta-rule corrected values)
+    o      = scale [ (q exp(G)) S + tril(q k^T exp(G_i - G_j)) v_new ]
+    S_next = exp(G_C) S + (k exp(G_C - G))^T v_new
+so a chunk maps S_next = M_c S + h_c with M_c = exp(G_C) I - (k exp(G_C - G))^T w.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..constants import CHUNK
+from .shapes import expand_qk_heads, l2norm, padded_chunk_index, sequence_bounds
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else fp32 (half inputs are accumulated in fp32)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _decay_diff(G: torch.Tensor, include_diagonal: bool) -> torch.Tensor:
+    """exp(G_i - G_j) on the causal triangle, exactly 0 above it (no inf * 0)."""
+    C = G.shape[-1]
+    mask = torch.ones(C, C, dtype=torch.bool, device=G.device).tril(0 if include_diagonal else -1)
+    diff = G[..., :, None] - G[..., None, :]
+    return torch.exp(diff.masked_fill(~mask, float("-inf")))
+
+
+def chunk_scan(q, k, v, g, beta, scale, initial_state, with_transition=False):
+    """Core scan on chunk-aligned sequences.
+
+    q, k: [N, HV, NT, C, K]; v: [N, HV, NT, C, V]; g, beta: [N, HV, NT, C];
+    initial_state [N, HV, K, V] (compute dtype). Returns (o [N, HV, NT, C, V], final state,
+    transition M [N, HV, K, K] or None) where final = M initial + (final with zero start).
+    """
+    G = g.cumsum(-1)
+    kb = k * beta[..., None]
+    A = (kb @ k.transpose(-1, -2)) * _decay_diff(G, include_diagonal=False)
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    lhs = eye + A
+    w = torch.linalg.solve_triangular(lhs, kb * torch.exp(G)[..., None], upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(lhs, v * beta[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * _decay_diff(G, include_diagonal=True)
+    q_dec = q * torch.exp(G)[..., None]
+    k_dec = k * torch.exp(G[..., -1:] - G)[..., None]
+    chunk_decay = torch.exp(G[..., -1])  # [N, HV, NT]
+
+    S = initial_state
+    M = None
+    if with_transition:
+        K = k.shape[-1]
+        M = torch.eye(K, dtype=S.dtype, device=S.device).expand(*S.shape[:2], K, K)
+    outputs = []
+    for c in range(q.shape[2]):
+        v_new = u[:, :, c] - w[:, :, c] @ S
+        outputs.append(scale * (q_dec[:, :, c] @ S + attn[:, :, c] @ v_new))
+        decay = chunk_decay[:, :, c, None, None]
+        S = decay * S + k_dec[:, :, c].transpose(-1, -2) @ v_new
+        if with_transition:
+            M = decay * M - k_dec[:, :, c].transpose(-1, -2) @ (w[:, :, c] @ M)
+    return torch.stack(outputs, dim=2), S, M
+
+
+def _to_chunks(x: torch.Tensor, index: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, HV, ...] -> [N, HV, NT, C, ...] gathered through the padded token index."""
+    flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).to(dtype)
+    flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
+    gathered = flat[index]  # [N, Tp, HV, ...]
+    N, Tp = index.shape
+    gathered = gathered.reshape(N, Tp // chunk_size, chunk_size, *gathered.shape[2:])
+    # move the head axis in front of the chunk axes
+    return gathered.movedim(3, 1)
+
+
+def _from_chunks(x: torch.Tensor, index: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[N, HV, NT, C, ...] -> [num_tokens, HV, ...]: the padded tokens dropped (`_to_chunks`' inverse)."""
+    N = x.shape[0]
+    padded = x.movedim(1, 3).reshape(N, -1, *x.shape[1:2], *x.shape[4:])
+    valid = index < num_tokens
+    return padded.new_zeros(num_tokens, *padded.shape[2:]).index_put((index[valid],), padded[valid])
+
+
+def chunk_gated_delta_rule_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = CHUNK,
+    use_qk_l2norm_in_kernel: bool = False,
+    state_v_first: bool = False,
+    return_transition: bool = False,
+):
+    """Chunked GDN forward in torch, differentiable. Shapes as in the public API.
+
+    Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] or None).
+    With return_transition=True also returns M [N, HV, K, K] so that, for every sequence,
+    final_state = M @ initial_state + final_state(initial_state = 0).
+    States are fp32 (float64 for float64 inputs); state_v_first means [N, HV, V, K].
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = K**-0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    dtype = compute_dtype(q, k, v)
+    bounds = sequence_bounds(B, T, cu_seqlens)
+    index, _ = padded_chunk_index(bounds, T, B * T, chunk_size, q.device)
+
+    qc = _to_chunks(expand_qk_heads(q, HV), index, chunk_size, dtype)
+    kc = _to_chunks(expand_qk_heads(k, HV), index, chunk_size, dtype)
+    vc = _to_chunks(v, index, chunk_size, dtype)
+    gc = _to_chunks(g, index, chunk_size, dtype)
+    bc = _to_chunks(beta, index, chunk_size, dtype)
+
+    if initial_state is None:
+        S0 = torch.zeros(len(bounds), HV, K, V, dtype=dtype, device=q.device)
+    else:
+        S0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
+        S0 = S0.to(dtype)
+    o_chunks, S, M = chunk_scan(qc, kc, vc, gc, bc, scale, S0, with_transition=return_transition)
+
+    o = _from_chunks(o_chunks, index, B * T).reshape(B, T, HV, V).to(v.dtype)
+
+    final_state = None
+    if output_final_state:
+        final_state = S.transpose(-1, -2) if state_v_first else S
+        final_state = final_state.contiguous()
+    if return_transition:
+        return o, final_state, M
+    return o, final_state

@@ -1,0 +1,73 @@
+"""Context parallelism on one Hopper GPU with the TileLang kernels inside: the torch split engine
+around the op (CPContext with a world of 1), and inter-card / dual CP with two processes sharing
+the GPU over gloo (multi-GPU NCCL runs need a machine with several GPUs). Float64 references on
+the inputs as the bf16 runs see them; the limits of gdn_checks."""
+
+import datetime
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flash_qla_cp import CPContext
+from gdn_checks import NAMES, Case, check_case, make_inputs, over_limits, rel_err, run_op
+
+CASE = Case((5000, 3000, 100, 8284), seed=3)  # 16384 tokens: two ranks cut inside the first long sequence
+
+
+@pytest.mark.parametrize("intra_cp,exact", [(8, True), ("auto", False)])
+def test_single_process_context_within_limits(intra_cp, exact):
+    cu = make_inputs(CASE).cu
+    check_case(CASE, "cuda", "tilelang", cp_context=CPContext.single(cu, intra_cp=intra_cp, intra_exact=exact))
+
+
+def _worker(rank, world, init_file, queue):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        inputs = make_inputs(CASE)
+        want = run_op(CASE, inputs, "cuda", "torch", reference=True)
+        res = {}
+        for name, intra in (("inter", "off"), ("dual", 4)):
+            cp = CPContext.build(inputs.cu, intra_cp=intra, intra_exact=True)
+            local = type(inputs)({n: cp.local_slice(t) for n, t in inputs.x.items()}, inputs.h0,
+                                 cp.local_slice(inputs.do), inputs.dfinal, inputs.cu)
+            got = run_op(CASE, local, "cuda", "tilelang", cp_context=cp)
+            dh0 = got["dh0"].clone()
+            dist.all_reduce(dh0)  # each rank holds the rows of the sequences that start on it
+            errs = {}
+            for k in want:
+                full = dh0 if k == "dh0" else got[k]
+                ref = want[k] if k in ("final", "dh0") else cp.local_slice(want[k])
+                errs[k] = rel_err(full, ref)
+            res[name] = errs
+        queue.put((rank, res))
+    except Exception:  # noqa: BLE001 - reported to the parent, never a hang
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_two_processes_on_one_gpu_within_limits():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(tmp, "pg"), queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            for _ in procs:
+                rank, res = queue.get(timeout=600)
+                assert isinstance(res, dict), f"rank {rank} failed:\n{res}"
+                for name, errs in res.items():
+                    assert set(errs) == {"o", "final", "dh0", *("d" + n for n in NAMES)}
+                    assert not over_limits(errs), (rank, name, errs)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()

@@ -1,0 +1,63 @@
+"""The public op on the TileLang backend, forward and backward, against float64 on the GPU.
+
+Each case runs twice (bitwise equal), with NaN-poisoned memory, within the limits of
+gdn_checks. The cases reach every kernel path: dense and packed, odd and zero lengths, initial
+states and final-state gradients or none, [V, K] states, GVA and MHA, bf16 and fp16, head dims
+64 / 128 / 256 and mixed, the kept chunk states and their recompute, the fused backward walk and
+the three-kernel backward, and the intra-card split up to 128k tokens.
+"""
+
+import pytest
+import torch
+
+from flash_qla_cp import KernelOptions
+from gdn_checks import Case, check_case
+
+ODD = (1, 63, 64, 65, 200, 517, 1033)
+HALF = torch.float16
+
+CASES = {
+    "dense_b2_T300": Case((300, 300), dense=True),
+    "varlen_odd": Case(ODD, seed=1),
+    "varlen_zero_lengths": Case((0, 130, 0, 64, 1), seed=2),
+    "varlen_vfirst": Case((63, 1, 129, 140), state_v_first=True, seed=3),
+    "dense_fp16": Case((1000,), dense=True, dtype=HALF, seed=4),
+    "dense_k64": Case((700, 700), dense=True, K=64, V=64, seed=5),
+    "mha_no_states": Case((777,), dense=True, H=4, HV=4, with_h0=False, with_dht=False, seed=6),
+    "tp1_varlen_odd": Case((5000, 3, 7001, 4000, 4097), H=16, HV=32, with_h0=False, with_dht=False, seed=7),
+    "tp1_dense_32k": Case((32768,), dense=True, H=16, HV=32, with_h0=False, with_dht=False, seed=8),
+    "k256_dense": Case((700, 700), dense=True, K=256, V=256, seed=9),
+    "k256_varlen_fp16": Case(ODD, K=256, V=256, dtype=HALF, seed=10),
+    "k128_v256_varlen": Case(ODD, K=128, V=256, seed=11),
+    "k256_v128_fp16": Case((700, 700), dense=True, K=256, V=128, dtype=HALF, seed=12),
+    "k64_v256_varlen": Case(ODD, K=64, V=256, seed=13),
+    # the intra-card split inside the kernels (forward and backward)
+    "split_varlen_p8": Case((16384, 1000, 3001), intra_cp=8, slow_heads=True, seed=14),
+    "split_varlen_auto": Case((20000, 77, 4096), intra_cp="auto", slow_heads=True, seed=15),
+    "split_dense_p4_vfirst": Case((8192, 8192), dense=True, intra_cp=4, state_v_first=True, slow_heads=True, seed=16),
+    "split_k64_p16_no_h0": Case((12345,), HV=8, K=64, V=64, intra_cp=16, with_h0=False, slow_heads=True, seed=17),
+    "split_tp1_auto": Case((16384 + 77,), H=16, HV=32, intra_cp="auto", slow_heads=True, seed=18),
+    "split_k256_auto_stays_whole": Case((5000, 77), K=256, V=256, intra_cp="auto", slow_heads=True, seed=19),
+    "split_tp8_dense_128k": Case((131072,), dense=True, intra_cp="auto", with_h0=False, slow_heads=True, seed=20),
+    "split_tp8_varlen_128k": Case((100003, 31068, 1), intra_cp="auto", slow_heads=True, seed=21),
+}
+
+# the kept chunk states (default) and their recompute; the fused walk forced on and off
+OPTIONS = {
+    "default": {},
+    "recompute": {"save_states": False},
+    "fused_walk_on": {"kernel_options": KernelOptions(fused_walk="on")},
+    "fused_walk_off": {"kernel_options": KernelOptions(fused_walk="off")},
+}
+QUICK = ("dense_b2_T300", "varlen_odd", "varlen_vfirst", "mha_no_states", "split_varlen_auto")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_op_within_limits_and_deterministic(name):
+    check_case(CASES[name], "cuda", "tilelang")
+
+
+@pytest.mark.parametrize("option", [o for o in OPTIONS if o != "default"])
+@pytest.mark.parametrize("name", QUICK)
+def test_op_options_within_limits(name, option):
+    check_case(CASES[name], "cuda", "tilelang", **OPTIONS[option])

@@ -1,0 +1,186 @@
+"""The TileLang backend's host code on the CPU, with every kernel launch recorded instead of run.
+
+GPU kernels cannot run here, but the Python around them can: which kernels one call launches
+(the plan's, in order), that each gets as many arguments as its PrimFunc takes with the rank and
+dtype of each buffer, and how many torch fill launches a call adds (each is a launch on the GPU:
+host time that made small eager calls host-bound on the H200).
+"""
+
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+from flash_qla_cp import KernelOptions  # noqa: E402
+from flash_qla_cp.kernels import runtime  # noqa: E402
+from flash_qla_cp.kernels.backward import tilelang_backward  # noqa: E402
+from flash_qla_cp.kernels.forward import tilelang_forward  # noqa: E402
+
+SMS = 132  # an H200
+
+
+class Launches:
+    """Stands in for runtime.compile_kernel: each launch is recorded as (spec, args)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def compile_kernel(self, spec):
+        return lambda *args: self.calls.append((spec, args))
+
+    def names(self):
+        return [spec.name for spec, _ in self.calls]
+
+    def params(self, i):
+        return self.calls[i][0].kwargs
+
+
+def run_recorded(fn):
+    """(fn's result, Launches, number of torch fills) for the second of two calls of fn with
+    kernels recorded (the first builds the split plan's cached index tensors)."""
+    launches = Launches()
+    with mock.patch.object(runtime, "compile_kernel", launches.compile_kernel), \
+            mock.patch.object(runtime, "sm_count", lambda device: SMS):
+        fn()
+        launches.calls.clear()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = fn()
+    fills = sum(e.count for e in prof.key_averages() if e.key == "aten::fill_")  # zeros / zero_ end here
+    return out, launches, fills
+
+
+def inputs(T, H, HV, D=128, B=1):
+    q = torch.zeros(B, T, H, D, dtype=torch.bfloat16)
+    v = torch.zeros(B, T, HV, D, dtype=torch.bfloat16)
+    return q, q.clone(), v, torch.zeros(B, T, HV), torch.zeros(B, T, HV)
+
+
+def forward(q, k, v, g, beta, final, keep, cu=None, h0=None, intra_cp="auto"):
+    return tilelang_forward(q, k, v, g, beta, q.shape[-1] ** -0.5, h0, final, cu, intra_cp=intra_cp,
+                            cu_seqlens_host=None if cu is None else cu.tolist(), save_states=keep)
+
+
+def fwd_bwd(q, k, v, g, beta, cu=None, h0=None, with_dht=False, keep=True, intra_cp="auto",
+            options=KernelOptions()):
+    """A training step's two halves: the forward (keeping its states), then the backward (with a
+    final-state gradient when with_dht)."""
+    do = torch.zeros_like(v)
+
+    def call():
+        _, ht, saved = forward(q, k, v, g, beta, with_dht, keep, cu=cu, h0=h0, intra_cp=intra_cp)
+        dht = torch.zeros_like(ht) if with_dht else None
+        return tilelang_backward(do, dht, q, k, v, g, beta, q.shape[-1] ** -0.5, h0, cu, saved, options=options)
+
+    return call
+
+
+VARLEN_CU = torch.tensor([0, 5000, 5003, 12004, 16004, 20101], dtype=torch.int32)
+
+
+def test_split_forward_launches_five_kernels_and_fills_nothing():
+    """TP8 1x32k (2 qk-heads, 4 v-heads, one sequence): cut into partitions, so the forward is
+    prepare, decay tables, summaries, scan, walk. Without an initial state the scan starts from
+    zero itself (use_s0 off): no fill."""
+    q, k, v, g, beta = inputs(32768, 2, 4)
+    (o, ht, saved), launches, fills = run_recorded(lambda: forward(q, k, v, g, beta, True, False))
+    assert saved.split is not None
+    assert launches.names() == ["build_prepare_kernel", "build_decay_tables_kernel", "build_state_summary_kernel",
+                                "build_partition_scan_kernel", "build_fused_fwd_ws4_kernel"]
+    assert launches.params(3)["use_s0"] is False
+    assert fills == 0
+    assert o.shape == v.shape and ht.shape == (1, 4, 128, 128)
+
+
+def test_wide_heads_stay_whole():
+    """K = V = 256: the split's partition scan would not fit in shared memory, so 'auto' leaves
+    a long sequence whole (prepare + walk) and an explicit partition count is refused."""
+    q, k, v, g, beta = inputs(32768, 2, 4, D=256)
+    (_, _, saved), launches, _ = run_recorded(lambda: forward(q, k, v, g, beta, True, False))
+    assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_kernel"]
+    assert saved.split is None
+    with pytest.raises(ValueError, match="head dims <= 128"):
+        forward(q, k, v, g, beta, True, False, intra_cp=4)
+
+
+@pytest.mark.parametrize("H", [2, 4])
+def test_wide_heads_backward_with_the_sliced_grad_kernel(H):
+    """K = V = 256: the two serial walks (the dh walk at block_v 32, where it fits in shared
+    memory), then the V-sliced grad kernel, and (GVA) the v-head sum of its dq / dk parts."""
+    q, k, v, g, beta = inputs(5000, H, 4, D=256)
+    grads, launches, _ = run_recorded(fwd_bwd(q, k, v, g, beta, h0=torch.zeros(1, 4, 256, 256)))
+    names = ["build_prepare_kernel", "build_fused_fwd_kernel", "build_bwd_h_kernel", "build_bwd_dh_kernel",
+             "build_bwd_grad_wide_kernel"]
+    assert launches.names() == names + (["build_v_head_sum_kernel"] if H < 4 else [])
+    assert launches.params(2)["block_v"] == launches.params(3)["block_v"] == 32
+    assert_launches_match_signatures(launches)
+    assert [t.shape for t in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
+
+
+def test_split_backward_reads_no_zero_filled_exit_gradients():
+    """The split fwd+bwd: the backward adds the warm-up dh walk (starting from zero by
+    construction), the reverse scan, the fused walk and the GVA sum of dq / dk."""
+    q, k, v, g, beta = inputs(32768, 2, 4)
+    grads, launches, fills = run_recorded(fwd_bwd(q, k, v, g, beta))
+    assert launches.names()[5:] == ["build_bwd_dh_ws_kernel", "build_partition_scan_kernel",
+                                    "build_bwd_fused_ws_kernel", "build_v_head_sum_kernel"]
+    warm = launches.params(5)
+    assert warm["limit_chunks"] and not warm["use_dht"]
+    assert launches.params(6)["use_s0"] is False  # the reverse scan enters at zero too (no dht)
+    assert fills == 0
+    assert [t.shape for t in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
+
+
+def test_unsplit_varlen_call_needs_no_fill():
+    """Several documents on 32 v-heads fill the GPU unsplit: no scan, and without an initial
+    state or an exit gradient nothing is zero-filled (the kernels do not read them)."""
+    _, launches, fills = run_recorded(fwd_bwd(*inputs(20101, 16, 32), cu=VARLEN_CU))
+    assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_ws4_kernel", "build_bwd_fused_ws_kernel",
+                                "build_v_head_sum_kernel"]
+    assert fills == 0
+
+
+def assert_launches_match_signatures(launches):
+    """Each recorded launch passes one argument per PrimFunc parameter, tensors of the buffer's
+    rank and dtype: the plumbing between the host code and the kernels, checked without a GPU."""
+    for spec, args in launches.calls:
+        prim = spec.build()
+        assert len(args) == len(prim.params), spec.name
+        for var, arg in zip(prim.params, args):
+            buf = prim.buffer_map.get(var)
+            if buf is None:
+                continue
+            assert torch.is_tensor(arg), (spec.name, var.name)
+            assert arg.dim() == len(buf.shape), (spec.name, buf.name, arg.shape)
+            assert str(arg.dtype).replace("torch.", "") == str(buf.dtype), (spec.name, buf.name, arg.dtype)
+
+
+@pytest.mark.parametrize("with_states", [True, False])
+def test_every_launch_matches_its_kernel_signature(with_states):
+    """A split fwd+bwd, with or without an initial state and a final-state gradient."""
+    h0 = torch.zeros(1, 4, 128, 128) if with_states else None
+    call = fwd_bwd(*inputs(32768, 2, 4), h0=h0, with_dht=with_states)
+    _, launches, _ = run_recorded(call)
+    assert len(launches.calls) == 9
+    scans = [spec.kwargs for spec, _ in launches.calls if spec.name == "build_partition_scan_kernel"]
+    assert [p.get("use_s0", True) for p in scans] == [with_states, with_states]
+    assert_launches_match_signatures(launches)
+
+
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_unsplit_recompute_launches_match_their_signatures(with_h0):
+    """Unsplit, the forward keeping nothing, the fused walk off: the backward recomputes the
+    states with the h walk (reading h0 or built not to) and runs the full dh walk and the grad
+    kernel, the path that allocates dh / dvn."""
+    q, k, v, g, beta = inputs(20101, 16, 32)
+    h0 = torch.zeros(5, 32, 128, 128) if with_h0 else None
+
+    call = fwd_bwd(q, k, v, g, beta, cu=VARLEN_CU, h0=h0, keep=False, intra_cp="off",
+                   options=KernelOptions(fused_walk="off"))
+    grads, launches, _ = run_recorded(call)
+    names = launches.names()
+    assert names[2:] == ["build_bwd_h_ws_kernel", "build_bwd_dh_ws_kernel", "build_bwd_grad_group_kernel"]
+    assert launches.params(2)["use_initial_state"] is with_h0
+    assert_launches_match_signatures(launches)
+    assert (grads[5] is not None) is with_h0

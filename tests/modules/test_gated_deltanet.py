@@ -1,0 +1,299 @@
+"""GatedDeltaNet module: values against an independent composition, varlen, padding, decode cache,
+gradients, GVA, negative eigenvalues, state_dict layout, the CP seam and bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flash_qla_cp
+from flash_qla_cp.reference import naive_recurrent_gated_delta_rule
+from flash_qla_cp.modules import GatedDeltaNet, GDNCache, ShortConvolution, causal_conv1d_varlen
+from flash_qla_cp.testing import random_cu_seqlens, rel_err
+
+D = 32
+
+
+def _layer(H=2, HV=4, dk=8, dv=8, seed=0, dtype=torch.float64, **kw):
+    torch.manual_seed(seed)
+    m = GatedDeltaNet(D, H, HV, dk, dv, backend="torch", **kw).to(dtype)
+    with torch.no_grad():  # larger than default init so every part of the layer matters
+        m.in_proj_qkvz.weight.normal_(0, 0.4)
+        m.in_proj_ba.weight.normal_(0, 0.4)
+        m.conv1d.weight.normal_(0, 0.5)
+        m.norm.weight.uniform_(0.5, 1.5)
+        m.A_log.uniform_(-1.0, 1.0)
+    return m
+
+
+def _x(B, T, seed=1, dtype=torch.float64):
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _reference(m: GatedDeltaNet, x):
+    """The layer written out from its definition, one head at a time, with the token-by-token recurrence."""
+    B, T, _ = x.shape
+    H, HV, dk, dv = m.num_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    r = HV // H
+    Wqkvz, Wba = m.in_proj_qkvz.weight, m.in_proj_ba.weight
+    per = 2 * dk + 2 * r * dv
+    q_rows, k_rows, v_rows, z_rows, b_rows, a_rows = [], [], [], [], [], []
+    for h in range(H):
+        base = h * per
+        q_rows.append(Wqkvz[base: base + dk])
+        k_rows.append(Wqkvz[base + dk: base + 2 * dk])
+        v_rows.append(Wqkvz[base + 2 * dk: base + 2 * dk + r * dv])
+        z_rows.append(Wqkvz[base + 2 * dk + r * dv: base + per])
+        b_rows.append(Wba[h * 2 * r: h * 2 * r + r])
+        a_rows.append(Wba[h * 2 * r + r: (h + 1) * 2 * r])
+    qkv = x @ torch.cat(q_rows + k_rows + v_rows).T  # conv channels: all q, all k, all v
+    K = m.conv_size
+    qkv = F.silu(F.conv1d(qkv.transpose(1, 2), m.conv1d.weight, padding=K - 1, groups=qkv.shape[-1])[..., :T])
+    qkv = qkv.transpose(1, 2)
+    q = F.normalize(qkv[..., : H * dk].reshape(B, T, H, dk), dim=-1, eps=0)
+    k = F.normalize(qkv[..., H * dk: 2 * H * dk].reshape(B, T, H, dk), dim=-1, eps=0)
+    v = qkv[..., 2 * H * dk:].reshape(B, T, HV, dv)
+    z = (x @ torch.cat(z_rows).T).reshape(B, T, HV, dv)
+    b, a = x @ torch.cat(b_rows).T, x @ torch.cat(a_rows).T
+    beta = torch.sigmoid(b) * (2.0 if m.allow_neg_eigval else 1.0)
+    g = -torch.exp(m.A_log) * F.softplus(a + m.dt_bias)
+    o, _ = naive_recurrent_gated_delta_rule(q, k, v, g, beta)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + m.norm_eps) * m.norm.weight * F.silu(z)
+    return o.reshape(B, T, HV * dv) @ m.out_proj.weight.T
+
+
+@pytest.mark.parametrize("H, HV, neg", [(2, 2, False), (2, 4, False), (1, 3, True)])
+def test_matches_definition_shapes_and_gradients(H, HV, neg):
+    m = _layer(H=H, HV=HV, allow_neg_eigval=neg)
+    x = _x(2, 37).requires_grad_(True)
+    out = m(x)
+    assert out.shape == (2, 37, D) and out.dtype == x.dtype
+    assert rel_err(out, _reference(m, x)) < 1e-6  # l2norm eps 1e-6 is the only difference
+    out.square().sum().backward()
+    grads = {n: p.grad for n, p in m.named_parameters()}
+    assert set(grads) == {"in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log",
+                          "norm.weight", "out_proj.weight"}
+    for name, grad in grads.items():
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+    assert torch.isfinite(x.grad).all()
+
+
+def test_allow_neg_eigval_doubles_beta():
+    m = _layer(allow_neg_eigval=True)
+    b = torch.randn(1, 3, 4, dtype=torch.float64)
+    _, beta = m._gates(b, torch.zeros_like(b))
+    assert torch.allclose(beta, 2 * b.sigmoid()) and beta.max() > 1
+    m.allow_neg_eigval = False
+    assert torch.allclose(m._gates(b, torch.zeros_like(b))[1], b.sigmoid())
+
+
+def test_state_dict_uses_hugging_face_names_and_round_trips():
+    m = _layer(H=2, HV=4, dk=8, dv=6)
+    shapes = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+    C = 2 * 2 * 8 + 4 * 6
+    assert shapes == {
+        "in_proj_qkvz.weight": (2 * 2 * 8 + 2 * 4 * 6, D), "in_proj_ba.weight": (8, D), "conv1d.weight": (C, 1, 4),
+        "dt_bias": (4,), "A_log": (4,), "norm.weight": (6,), "out_proj.weight": (D, 4 * 6),
+    }
+    other = GatedDeltaNet(D, 2, 4, 8, 6, backend="torch").double()
+    other.load_state_dict(m.state_dict())
+    x = _x(1, 9)
+    assert torch.equal(other(x), m(x))
+
+
+def test_short_conv_matches_conv1d_and_does_not_cross_sequences():
+    torch.manual_seed(3)
+    conv = ShortConvolution(6, 4).double()
+    x = torch.randn(1, 12, 6, dtype=torch.float64)
+    want = F.silu(F.conv1d(x.transpose(1, 2), conv.weight, padding=3, groups=6)[..., :12]).transpose(1, 2)
+    assert torch.allclose(conv(x)[0], want)
+    cu = random_cu_seqlens([2, 7, 3])
+    y, state = conv(x, cu_seqlens=cu, output_final_state=True)
+    for n, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ys, ss = conv(x[:, s:e], output_final_state=True)
+        assert torch.allclose(y[:, s:e], ys) and torch.allclose(state[n], ss[0])
+    # a 2-token sequence's state: one zero column, then its two inputs
+    assert torch.equal(state[0, :, 0], torch.zeros(6, dtype=torch.float64))
+    assert torch.equal(state[0, :, 1:], x[0, :2].T)
+
+
+def test_varlen_equals_separate_sequences():
+    m = _layer()
+    lengths = [5, 1, 9, 2, 30]
+    cu = random_cu_seqlens(lengths)
+    x = _x(1, sum(lengths))
+    out, cache = m(x, cu_seqlens=cu, use_cache=True)
+    for n, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o, c = m(x[:, s:e], use_cache=True)
+        assert rel_err(out[:, s:e], o) < 1e-12, n
+        assert rel_err(cache.conv_state[n], c.conv_state[0]) < 1e-12
+        assert rel_err(cache.recurrent_state[n], c.recurrent_state[0]) < 1e-12
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_mask_equals_unpadded(side):
+    m = _layer()
+    lengths, T = [7, 12, 3], 12
+    xs = [_x(1, n, seed=10 + i) for i, n in enumerate(lengths)]
+    x = torch.randn(len(lengths), T, D, dtype=torch.float64) * 5  # padding holds garbage
+    mask = torch.zeros(len(lengths), T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        sl = slice(T - n, T) if side == "left" else slice(0, n)
+        x[i, sl], mask[i, sl] = xs[i][0], 1
+    out, cache = m(x, attention_mask=mask, use_cache=True)
+    assert torch.all(out[mask == 0] == 0)
+    for i, n in enumerate(lengths):
+        sl = slice(T - n, T) if side == "left" else slice(0, n)
+        o, c = m(xs[i], use_cache=True)
+        assert rel_err(out[i, sl], o[0]) < 1e-12
+        assert rel_err(cache.conv_state[i], c.conv_state[0]) < 1e-12
+        assert rel_err(cache.recurrent_state[i], c.recurrent_state[0]) < 1e-12
+    # and the padded batch decodes on like the separate sequences
+    step = _x(len(lengths), 1, seed=99)
+    o_next, _ = m(step, cache=cache, use_cache=True)
+    for i in range(len(lengths)):
+        o_full = m(torch.cat([xs[i], step[i: i + 1]], dim=1))
+        assert rel_err(o_next[i], o_full[0, -1:]) < 1e-12
+
+
+@pytest.mark.parametrize("splits", [[19, 1], [1, 1, 1, 17], [5, 2, 13]])
+def test_decode_with_cache_equals_full_sequence(splits):
+    m = _layer(H=1, HV=2)
+    T = sum(splits)
+    x = _x(2, T)
+    full, full_cache = m(x, use_cache=True)
+    cache, outs, s = None, [], 0
+    for n in splits:
+        o, cache = m(x[:, s: s + n], cache=cache, use_cache=True)
+        outs.append(o)
+        s += n
+    assert rel_err(torch.cat(outs, dim=1), full) < 1e-12
+    assert rel_err(cache.conv_state, full_cache.conv_state) < 1e-12
+    assert rel_err(cache.recurrent_state, full_cache.recurrent_state) < 1e-12
+    assert cache.seen_tokens == T
+
+
+def test_varlen_prefill_then_batched_decode():
+    m = _layer()
+    lengths = [6, 2, 11]
+    cu = random_cu_seqlens(lengths)
+    x = _x(1, sum(lengths))
+    _, cache = m(x, cu_seqlens=cu, use_cache=True)
+    step = _x(3, 1, seed=5)
+    o_step, _ = m(step, cache=cache, use_cache=True)
+    for n, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o_full = m(torch.cat([x[:, s:e], step[n: n + 1]], dim=1))
+        assert rel_err(o_step[n], o_full[0, -1:]) < 1e-12
+
+
+def test_initial_state_tensor_equals_cache_with_empty_conv_history():
+    m = _layer()
+    x = _x(2, 9)
+    h0 = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    zero_conv = torch.zeros(2, m.conv_dim, 3, dtype=torch.float64)
+    a = m(x, initial_state=h0)
+    b, _ = m(x, cache=GDNCache(zero_conv, h0), use_cache=True)
+    assert rel_err(a, b) < 1e-12
+    assert rel_err(a, m(x)) > 1e-3  # the state matters
+
+
+def test_gradients_through_varlen_and_cache():
+    m = _layer(dtype=torch.float32)
+    cu = random_cu_seqlens([4, 10])
+    x = _x(1, 14, dtype=torch.float32).requires_grad_(True)
+    h0 = torch.randn(2, 4, 8, 8).requires_grad_(True)
+    out, cache = m(x, cu_seqlens=cu, initial_state=h0, use_cache=True)
+    (out.square().sum() + cache.recurrent_state.square().sum()).backward()
+    for t in [x.grad, h0.grad] + [p.grad for p in m.parameters()]:
+        assert t is not None and torch.isfinite(t).all()
+
+
+def test_bfloat16_close_to_float32():
+    m = _layer(dtype=torch.float32)
+    x = _x(1, 20, dtype=torch.float32)
+    ref = m(x)
+    out = m.to(torch.bfloat16)(x.bfloat16())
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 3e-2
+
+
+def test_no_cp_context_argument_reaches_the_op_without_cp(monkeypatch):
+    import flash_qla_cp.modules.gated_deltanet as gdn_mod
+
+    seen = []
+    real = gdn_mod.chunk_gated_delta_rule
+
+    def spy(*args, **kwargs):
+        seen.append("cp_context" in kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gdn_mod, "chunk_gated_delta_rule", spy)
+    _layer()(_x(1, 5))
+    assert seen == [False]
+
+
+def test_save_states_option_reaches_the_op(monkeypatch):
+    import flash_qla_cp.modules.gated_deltanet as gdn_mod
+
+    seen = []
+    real = gdn_mod.chunk_gated_delta_rule
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("save_states"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gdn_mod, "chunk_gated_delta_rule", spy)
+    _layer()(_x(1, 5))
+    _layer(save_states=False)(_x(1, 5))
+    assert seen == [True, False]
+
+
+@pytest.mark.parametrize("intra", ["off", 3])
+def test_single_process_cp_context_matches_plain_forward(intra):
+    from flash_qla_cp.parallel import CPContext
+
+    m = _layer()
+    cu = random_cu_seqlens([20, 70, 38])
+    x = _x(1, 128).requires_grad_(True)
+    want = m(x, cu_seqlens=cu)
+    (gw,) = torch.autograd.grad(want.square().sum(), x)
+    got = m(x, cu_seqlens=cu, cp_context=CPContext.single(cu, intra_cp=intra))
+    (gg,) = torch.autograd.grad(got.square().sum(), x)
+    assert rel_err(got, want) < 1e-10 and rel_err(gg, gw) < 1e-10
+    with pytest.raises(ValueError, match="context parallelism"):
+        m(x, cu_seqlens=cu, cp_context=CPContext.single(cu), use_cache=True)
+
+
+def test_exported_from_package():
+    assert flash_qla_cp.GatedDeltaNet is GatedDeltaNet
+
+
+def test_bad_input_raises_clear_errors():
+    m = _layer()
+    x = _x(2, 5)
+    cases = [
+        (lambda: m(_x(2, 5)[..., :16]), "hidden_size=32"),
+        (lambda: m(x[0]), "3-D"),
+        (lambda: m(x.long()), "floating"),
+        (lambda: m(x, attention_mask=torch.ones(2, 4)), "attention_mask"),
+        (lambda: m(x[:1], attention_mask=torch.ones(1, 5), cu_seqlens=random_cu_seqlens([5])), "not both"),
+        (lambda: m(x, cu_seqlens=random_cu_seqlens([2, 3])), "batch size must be 1"),
+        (lambda: m(x[:1], cu_seqlens=random_cu_seqlens([2, 2])), "cu_seqlens"),
+        (lambda: m(x[:1], cu_seqlens=torch.tensor([0.0, 5.0])), "int32"),
+        (lambda: m(x, initial_state=torch.zeros(3, 4, 8, 8, dtype=torch.float64)), "recurrent state"),
+        (lambda: m(x, cache=GDNCache(torch.zeros(2, 5, 3), torch.zeros(2, 4, 8, 8))), "conv_state"),
+        (lambda: m(x, cache=(1, 2)), "GDNCache"),
+        (lambda: m(x, cache=GDNCache(torch.zeros(2, m.conv_dim, 3), torch.zeros(2, 4, 8, 8)),
+                   initial_state=torch.zeros(2, 4, 8, 8)), "not both"),
+        (lambda: GatedDeltaNet(D, 3, 4, 8, 8), "multiple"),
+        (lambda: GatedDeltaNet(D, 2, 4, 8, 8, conv_size=1), "conv_size"),
+        (lambda: GatedDeltaNet(D, 2, 4, 0, 8), "head_k_dim"),
+        (lambda: GatedDeltaNet(D, 2, 4, 8, 8, backend="cuda"), "backend"),
+        (lambda: GatedDeltaNet(D, 2, 4, 8, 8, proj_layout="llama"), "proj_layout"),
+    ]
+    for fn, words in cases:
+        with pytest.raises(ValueError, match=words):
+            fn()
+
+
+def test_conv_function_rejects_unknown_activation():
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d_varlen(torch.zeros(1, 3, 2), torch.zeros(2, 4), activation="gelu")

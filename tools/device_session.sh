@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One call of the device tool: unpack the package bundle (and a TileLang kernel cache carried from
+# an earlier call), run the named phases, and hand the cache back under $OUT for the next call.
+#
+#   run(command="bash tools/device_session.sh tests bench", carry=[".device"])
+#   then, here: cp <files_at>/tlcache.tar.xz .device/   (the next call compiles nothing it has seen)
+#   kernels new to the device can be compiled into that archive beforehand on a CPU machine:
+#   python tools/precompile_cache.py --log kernels.jsonl (the kernels a call returned) or
+#   --bench-shapes tp1_1x32k,...
+#
+# Phases:
+#   tests      pytest -m gpu tests/gpu (TESTS narrows it, e.g. TESTS="tests/gpu/test_op.py -k split")
+#   bench      benchmarks/bench_kernels.py (SHAPES, LIBS narrow it; GRAPHS=1 adds CUDA-graph replays)
+#   tune_split tools/tune_split.py (SHAPES, PARTS)
+#   profile    tools/profile_kernels.py (SHAPES, INTRA, PROFILE_LIB)
+#   host_timeline  tools/host_timeline.py (SHAPE, PASSES, TIMELINE_ARGS e.g. --profile)
+#   ncu        ncu stall samples of one kernel (NCU_KERNEL, SHAPE, NCU_NAME), read with tools/ncu_stalls.py
+#   long_seq   the long-sequence training ladder with activation checkpointing (SEQ_LENS)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+# several invocations in one device call (different options per phase) unpack once
+[ -d /tmp/site ] || tar -xJf .device/site.tar.xz -C /tmp || exit 1
+[ -d /tmp/tlcache ] || { [ -f .device/tlcache.tar.xz ] && tar -xJf .device/tlcache.tar.xz -C /tmp; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlcache
+OUT=${OUT:-/tmp/device_out}
+mkdir -p "$OUT"
+# every kernel the run builds (compiled, or loaded from the cache) is listed for precompile_cache.py
+export FLASH_QLA_CP_KERNEL_LOG="$OUT/kernels.jsonl"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+for phase in "$@"; do
+  echo "== $phase $(date -u +%T)"
+  case $phase in
+    tests) timeout "${TEST_TIMEOUT:-540}" python -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/gpu} \
+             --junitxml "$OUT/gpu_tests.xml" 2>&1 | grep -v TileLang | tail -40 ;;
+    bench) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_kernels.py --out "$OUT/${BENCH_NAME:-bench}" ${GRAPHS:+--graphs} \
+             ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-300 ;;
+    tune_split) timeout "${BENCH_TIMEOUT:-420}" python tools/tune_split.py --out "$OUT/tune_split" \
+                  ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} 2>&1 | grep '^{' | cut -c1-400 ;;
+    profile) timeout 240 python tools/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
+               ${INTRA:+--intra "$INTRA"} ${PROFILE_LIB:+--lib "$PROFILE_LIB"} 2>&1 | grep '^{' | cut -c1-1500 ;;
+    host_timeline) for pass in ${PASSES:-fwd fwdbwd}; do
+        timeout "${BENCH_TIMEOUT:-300}" python tools/host_timeline.py --out "$OUT/host_timeline_$pass" --pass "$pass" \
+          ${SHAPE:+--shape "$SHAPE"} ${TIMELINE_ARGS:-} 2>&1 | grep -v TileLang | tail -45 | cut -c1-300
+      done ;;
+    ncu)  # per-instruction stall samples of one kernel (NCU_KERNEL) on one shape's fwd+bwd
+      timeout 400 /usr/local/cuda/bin/ncu --section SpeedOfLight --section SourceCounters --section WarpStateStats \
+        --import-source no -k "regex:${NCU_KERNEL:-gdn_bwd_fused_ws}" --launch-skip 1 --launch-count 1 -f -o "$OUT/${NCU_NAME:-ncu}" \
+        python tools/profile_kernels.py --shapes "${SHAPE:-tp1_1x32k}" --iters 2 --out "$OUT/ncu_profile" 2>&1 | tail -4
+      /usr/local/cuda/bin/ncu -i "$OUT/${NCU_NAME:-ncu}.ncu-rep" --page details > "$OUT/${NCU_NAME:-ncu}_details.txt" 2>&1
+      /usr/local/cuda/bin/ncu -i "$OUT/${NCU_NAME:-ncu}.ncu-rep" --page source --print-source sass --csv 2>/dev/null | xz -9 > "$OUT/${NCU_NAME:-ncu}_sass.csv.xz"
+      rm -f "$OUT/${NCU_NAME:-ncu}.ncu-rep"; grep -E "Duration|Registers Per|Issue Slots Busy|No Eligible" "$OUT/${NCU_NAME:-ncu}_details.txt" ;;
+    long_seq)
+      for L in ${SEQ_LENS:-262144 524288}; do
+        echo "-- seq-len $L (--checkpoint-blocks)" | tee -a "$OUT/long_seq.log"
+        timeout 200 python examples/pretrain.py --device cuda --cp 1 --seq-len "$L" --min-doc-bytes $((L / 2)) \
+          --layers 8 --hidden 1024 --heads 8 --v-heads 16 --head-dim 128 --attn-every 0 --steps 4 \
+          --log-every 1 --lr 1e-3 --checkpoint-blocks 2>&1 | grep -vi "tilelang\|warn" | tail -6 | tee -a "$OUT/long_seq.log"
+      done ;;
+    *) echo "unknown phase $phase" ;;
+  esac
+done
+# NO_CACHE_OUT=1 on all but the last invocation of a call: packing the cache takes ~30-60 s
+[ -n "${NO_CACHE_OUT:-}" ] || tar -C /tmp -cJf "$OUT/tlcache.tar.xz" tlcache 2>/dev/null
+ls -la "$OUT"
