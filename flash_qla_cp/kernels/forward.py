@@ -126,7 +126,6 @@ class ForwardSaved:
     Ag: torch.Tensor
     chunk_table: torch.Tensor | None
     chunk_offsets: torch.Tensor | None
-    cu_seqlens: torch.Tensor | None
     walk_order: torch.Tensor | None = None
     split: SplitSaved | None = None
     h_states: torch.Tensor | None = None
@@ -189,14 +188,14 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
             plan = None
 
     use_h0 = initial_state is not None
-    specs = plan_forward(H, HV, K, V, q.dtype, float(scale), varlen, use_h0, output_final_state, state_v_first,
+    kernels = plan_forward(H, HV, K, V, q.dtype, float(scale), varlen, use_h0, output_final_state, state_v_first,
                          plan.num_parts if plan else N, sms, N if plan else 0, save_states, options)
-    g_cum, ag, chunk_tab = run_prepare(specs.prepare, k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
-    saved = ForwardSaved(g_cum, ag, chunk_tab, seq_offsets, cu)
-    store_states = specs.fused.kwargs.get("store_states", False)
+    g_cum, ag, chunk_tab = run_prepare(kernels.prepare, k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
+    saved = ForwardSaved(g_cum, ag, chunk_tab, seq_offsets)
+    store_states = kernels.fused.kwargs.get("store_states", False)
     if plan is not None:
-        o, final = _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_v_first, plan, specs,
-                                  saved, store_states)
+        o, final = _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_v_first, plan,
+                                  kernels, saved, store_states)
         return o, final, saved
 
     sdims = (V, K) if state_v_first else (K, V)
@@ -206,7 +205,7 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
     ht = torch.empty(N if output_final_state else 1, HV, *sdims, dtype=torch.float32, device=dev)
     o = torch.empty(B, Tn, HV, V, dtype=q.dtype, device=dev)
     if Tn > 0 and N > 0:
-        kern = runtime.compile_kernel(specs.fused)
+        kern = runtime.compile_kernel(kernels.fused)
         states = ()
         if store_states:
             n_chunks = chunk_tab.shape[0] if varlen else B * (-(-Tn // CHUNK))
@@ -234,7 +233,7 @@ def _state_outputs(saved: ForwardSaved, n_chunks, v, K):
     return saved.h_states, saved.vres
 
 
-def _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_v_first, plan, specs: ForwardPlan,
+def _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_v_first, plan, kernels: ForwardPlan,
                    saved: ForwardSaved, store_states: bool):
     """The forward with sequences cut into partitions, after the prepare kernel: (h, M) per
     partition, the scan for each partition's entering state, then the fused walk over the
@@ -246,17 +245,17 @@ def _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_
     qf, kf, vf, agf, gf = (x.reshape(1, B * Tn, *x.shape[2:]) if B > 1 else x for x in (q, k, v, ag, g_cum))
 
     idx = plan.device_tensors(dev)
-    starts, dh_walk = split.decay_tables(specs.split.decay_tables, gf, plan)
-    h_part, m_part = split.state_summaries(specs.split.summary, kf, vf, agf, gf, plan, starts)
+    starts, dh_walk = split.decay_tables(kernels.split.decay_tables, gf, plan)
+    h_part, m_part = split.state_summaries(kernels.split.summary, kf, vf, agf, gf, plan, starts)
     h0 = state_kv_layout(initial_state, state_v_first) if initial_state is not None else None
-    s_in = split.scan_partitions(specs.split.scan, m_part, h_part, idx["seq_parts"], h0)
+    s_in = split.scan_partitions(kernels.split.scan, m_part, h_part, idx["seq_parts"], h0)
 
     o = torch.empty(1, B * Tn, HV, V, dtype=q.dtype, device=dev)
     ht = torch.empty(plan.num_parts if output_final_state else 1, HV, K, V, dtype=torch.float32, device=dev)
     states = ()
     if store_states:
         states = (*_state_outputs(saved, int(idx["part_chunk_table"].shape[0]), vf, K), idx["part_chunk_offsets"])
-    runtime.compile_kernel(specs.fused)(qf, kf, vf, agf, gf, idx["part_cu"], idx["part_order"], s_in, o, ht, *states)
+    runtime.compile_kernel(kernels.fused)(qf, kf, vf, agf, gf, idx["part_cu"], idx["part_order"], s_in, o, ht, *states)
     # each sequence's last partition, gathered into a tensor of its own: a slice would keep every
     # partition's state alive for as long as the caller keeps the final states (a prefill's cache)
     final = state_kv_layout(ht.index_select(0, idx["last_parts"]), state_v_first) if output_final_state else None
