@@ -19,7 +19,7 @@ from .options import DEFAULT_OPTIONS, KernelOptions
 from .reference.backward import chunk_gated_delta_rule_bwd_reference
 from .reference.chunked import chunk_gated_delta_rule_torch
 from .reference.shapes import l2norm
-from .validation import check_inputs, check_intra_cp, check_options
+from .validation import check_inputs, check_intra_cp, check_options, check_scale
 
 
 @dataclass
@@ -54,6 +54,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     """
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     check_intra_cp(intra_cp)
+    check_scale(scale)
     options = check_options(kernel_options)
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -140,14 +141,18 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, g, beta, initial_state, options):
         o, final_state, ctx = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=initial_state, **options)
+        # saved the autograd way: an input modified in place before the backward then raises
+        fctx.save_for_backward(q, k, v, g, beta, initial_state)
         fctx.gdn = ctx
-        fctx.has_initial_state = initial_state is not None
         return o, final_state
 
     @staticmethod
     def backward(fctx, do, dht):
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.contiguous(), dht, fctx.gdn)
-        return dq, dk, dv, dg, dbeta, (dh0 if fctx.has_initial_state else None), None
+        q, k, v, g, beta, initial_state = fctx.saved_tensors
+        ctx = fctx.gdn
+        ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.initial_state = q, k, v, g, beta, initial_state
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.contiguous(), dht, ctx)
+        return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None
 
 
 def single_device_op(q, k, v, g, beta, initial_state=None, save_states=True, **options):

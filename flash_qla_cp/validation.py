@@ -27,6 +27,8 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
             _fail(f"{name} must be a floating tensor, got {t.dtype}")
         if t.device != q.device:
             _fail(f"all inputs must be on one device: q is on {q.device}, {name} on {t.device}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        _fail(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         _fail(f"q, k, v must be 4-D [B, T, H, K] / [B, T, HV, V]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape != k.shape:
@@ -64,6 +66,12 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
         if initial_state.device != q.device:
             _fail(f"initial_state is on {initial_state.device}, inputs on {q.device}")
     return num_seqs
+
+
+def check_scale(scale):
+    """scale: None (K ** -0.5) or a Python number. A tensor would get no gradient: rejected."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        _fail(f"scale must be a Python float (or None for K ** -0.5), got {type(scale).__name__}")
 
 
 def is_intra_option(value) -> bool:

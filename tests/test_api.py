@@ -228,6 +228,8 @@ def _good(**kw):
         (lambda x: x.update(beta=x["beta"][:, :8]), "beta must be"),
         (lambda x: x.update(q=x["q"][0], k=x["k"][0]), "4-D"),
         (lambda x: x.update(v=x["v"].long()), "floating"),
+        (lambda x: x.update(k=x["k"].float()), "one dtype"),
+        (lambda x: x.update(v=x["v"].half()), "one dtype"),
     ],
 )
 def test_bad_shapes_and_dtypes(mutate, message):
@@ -288,3 +290,33 @@ def test_unknown_or_unavailable_backend():
 def test_head_first_rejected():
     with pytest.raises(ValueError, match="head_first"):
         chunk_gated_delta_rule(**_good(), head_first=True)
+
+
+@pytest.mark.parametrize("scale", [torch.tensor(0.5), "x", True])
+def test_scale_must_be_a_python_number(scale):
+    # a tensor scale would get no gradient; anything else is a mistake
+    with pytest.raises(ValueError, match="scale must be a Python float"):
+        chunk_gated_delta_rule(**_good(), scale=scale)
+    assert chunk_gated_delta_rule(**_good(), scale=1)[0].shape[-1] == 8  # an int is a number
+
+
+def test_input_modified_in_place_before_backward_raises():
+    # as torch ops do: the gradients would be those of other values
+    x = {n: t.clone().requires_grad_(True) for n, t in _good().items()}
+    q = x["q"] * 1.0  # a non-leaf, so that it may be modified in place
+    o, _ = chunk_gated_delta_rule(**dict(x, q=q))
+    q.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()
+
+
+def test_input_modified_in_place_under_cp_raises():
+    from flash_qla_cp import CPContext
+
+    x = {n: t.clone().requires_grad_(True) for n, t in _good().items()}
+    cp = CPContext.single(random_cu_seqlens([16]), intra_cp="off")
+    g = x["g"] * 1.0
+    o, _ = chunk_gated_delta_rule(**dict(x, g=g), cp_context=cp)
+    g.add_(-1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()

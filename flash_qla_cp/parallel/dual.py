@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..backends import choose_backend
 from ..ops import backward_will_run, keep_chunk_states
 from ..reference.shapes import l2norm
-from ..validation import check_options
+from ..validation import check_options, check_scale
 from .context import CPContext, CPError
 from .inter import InterCP, OpEngine
 from .intra import IntraEngine
@@ -53,6 +53,7 @@ def cp_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, 
     if initial_state is not None and initial_state.shape[0] != N:
         raise CPError(f"initial_state must hold all {N} global sequences, got {tuple(initial_state.shape)}")
     kernel_options = check_options(kernel_options)
+    check_scale(scale)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if use_qk_l2norm_in_kernel:

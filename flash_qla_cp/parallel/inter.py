@@ -184,6 +184,9 @@ class InterCP(torch.autograd.Function):
         own = [finals[n] if n in finals else h0_user[n] for n in lay.owned]
         final = _gather_finals(cp, own, HV, K, V, sdt, dev) if output_final_state else None
 
+        # saved the autograd way, so that an input modified in place before the backward raises
+        # (the local engines keep their own references for the backward)
+        fctx.save_for_backward(q, k, v, g, beta, h0)
         fctx.cp, fctx.engine, fctx.head, fctx.tail = cp, engine, head, tail
         fctx.shapes = (HV, K, V, sdt)
         fctx.has_h0 = h0 is not None
@@ -193,6 +196,7 @@ class InterCP(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, do, dfinal):
+        fctx.saved_tensors  # noqa: B018 - raises if an input was modified in place since the forward
         cp, engine, head, tail = fctx.cp, fctx.engine, fctx.head, fctx.tail
         lay = cp.layout
         HV, K, V, sdt = fctx.shapes
