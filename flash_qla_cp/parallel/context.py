@@ -67,7 +67,8 @@ class CPContext:
 
     intra_cp: 'auto', 'off', or an int number of partitions per sequence for the intra-card split
     inside each rank (as the op's `intra_cp`). intra_exact, intra_threshold, intra_window: the torch
-    backend's split engine (`parallel/intra.py`): no decay shortcut, or its threshold and window.
+    backend's split engine (`parallel/intra.py`): exact (the default), or the decay shortcut with its
+    threshold and window.
     """
 
     group: object
@@ -77,7 +78,7 @@ class CPContext:
     seq_len_global: int
     layouts: list = field(repr=False)
     intra_cp: object = "off"
-    intra_exact: bool = False
+    intra_exact: bool = True
     intra_threshold: float = -10.0
     intra_window: int = 2
 
@@ -128,7 +129,7 @@ class CPContext:
     # -- construction --------------------------------------------------------------------
     @classmethod
     def build(cls, cu_seqlens_global, group=None, seq_len_global=None, intra_cp="off",
-              intra_exact=False, intra_threshold=-10.0, intra_window=2) -> "CPContext":
+              intra_exact=True, intra_threshold=-10.0, intra_window=2) -> "CPContext":
         """Plan this batch. group=None: the default group if torch.distributed is initialised,
         else a single process (world 1; intra-card splitting only)."""
         if group is None and dist.is_available() and dist.is_initialized():
@@ -137,7 +138,7 @@ class CPContext:
                          intra_window)
 
     @classmethod
-    def single(cls, cu_seqlens, intra_cp="auto", intra_exact=False, intra_threshold=-10.0, intra_window=2):
+    def single(cls, cu_seqlens, intra_cp="auto", intra_exact=True, intra_threshold=-10.0, intra_window=2):
         """One process, no collectives: intra-card CP only (even when torch.distributed is up)."""
         return cls._make(cu_seqlens, None, None, intra_cp, intra_exact, intra_threshold, intra_window)
 

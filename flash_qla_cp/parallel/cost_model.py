@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_SMS = 132  # H100 SXM, used when no GPU is visible
 MIN_CHUNKS_PER_PARTITION = 8  # below this the scan and the rerun outweigh the gain
 
 
-def sm_count(device=None) -> int:
-    if device is not None and torch.device(device).type == "cuda":
+def sm_count(device) -> int | None:
+    """The SMs of a CUDA device; None elsewhere (a CPU has no SMs to fill, so 'auto' does not split)."""
+    if torch.device(device).type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_SMS
+    return None
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,20 @@ def _time(chunks, parts, heads, sms, rerun_factor):
     return max(chain, work / sms) + scan
 
 
-def plan_partitions(chunks_per_seq, num_heads, sms=DEFAULT_SMS, intra_cp="auto", max_partitions=64,
+def plan_partitions(chunks_per_seq, num_heads, sms, intra_cp="auto", max_partitions=64,
                     min_chunks=MIN_CHUNKS_PER_PARTITION, rerun_factor=2.0) -> SplitDecision:
     """Partitions per sequence. intra_cp: 'auto' (model), 'off' (1) or an int P for every sequence.
+    sms: the GPU's SMs, or None without one ('auto' then leaves every sequence whole; the times
+    count chunk steps of one worker).
 
     A sequence never gets more partitions than it has chunks (forced) or chunks / min_chunks (auto).
     """
     chunks = [int(c) for c in chunks_per_seq]
     whole = [1] * len(chunks)
+    auto_off = sms is None
+    sms = sms or 1
     t_whole = _time(chunks, whole, num_heads, sms, rerun_factor)
-    if intra_cp == "off" or not chunks:
+    if intra_cp == "off" or not chunks or (intra_cp == "auto" and auto_off):
         return SplitDecision(whole, t_whole, t_whole)
     if isinstance(intra_cp, int) and not isinstance(intra_cp, bool):
         parts = [max(1, min(intra_cp, c)) for c in chunks]

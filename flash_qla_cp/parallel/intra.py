@@ -8,7 +8,7 @@ Each partition p > 0 of a sequence gets its incoming state in one of two ways:
     below `threshold` for every head, the state carried in from before that window is
     damped by at least exp(threshold) (||I - beta k k^T|| <= 1 for unit k and beta in
     [0, 2]), so the partition starts from zero W chunks early and drops the warm-up
-    outputs. This is an approximation; `exact=True` turns it off. A g = 0 head never
+    outputs. This is an approximation, taken only when asked for (`exact=False`). A g = 0 head never
     qualifies, so such batches stay exact.
 Partitions 0 (user initial state) and warm-up ones are final after one batched pass ("A");
 exact ones run in a second batched pass ("B") once the scan is done.
@@ -57,7 +57,7 @@ class IntraPlan:
         return all(p.mode == FIRST for p in self.partitions)
 
 
-def build_plan(cu_edges, g, num_heads, intra_cp="auto", exact=False, threshold=-10.0, window=2,
+def build_plan(cu_edges, g, num_heads, intra_cp="auto", exact=True, threshold=-10.0, window=2,
                sms=None, chunk=CHUNK) -> IntraPlan:
     """Cut sequences at chunk boundaries (cost model or forced count) and pick each cut's mode."""
     lengths = [b - a for a, b in zip(cu_edges, cu_edges[1:])]
@@ -121,7 +121,7 @@ class _Run:
 class IntraEngine:
     """Local engine (same fwd/bwd contract as inter.OpEngine) that splits sequences on one card."""
 
-    def __init__(self, base, intra_cp="auto", exact=False, threshold=-10.0, window=2, sms=None):
+    def __init__(self, base, intra_cp="auto", exact=True, threshold=-10.0, window=2, sms=None):
         self.base, self.intra_cp, self.exact = base, intra_cp, exact
         self.threshold, self.window, self.sms = threshold, window, sms
 

@@ -66,7 +66,7 @@ def test_exact_path_float32():
 
 def test_zero_gate_head_keeps_every_partition_exact():
     x, cu, _ = _case(seed=1)  # head 3 has g = 0: no window can decay for all heads
-    plan = build_plan(cu.tolist(), x["g"], 4, intra_cp=4)
+    plan = build_plan(cu.tolist(), x["g"], 4, intra_cp=4, exact=False)
     assert {p.mode for p in plan.partitions} == {FIRST, EXACT}
 
 
@@ -78,10 +78,10 @@ def test_decay_shortcut_within_tolerance():
     """
     x, cu, h0 = _case(seed=5, strong_decay_heads=4, zero_gate_heads=0)
     x["g"] = x["g"] * 0.02  # weak enough that the window test matters, strong enough to pass it
-    plan = build_plan(cu.tolist(), x["g"], 4, intra_cp=4, threshold=-10.0, window=2)
+    plan = build_plan(cu.tolist(), x["g"], 4, intra_cp=4, exact=False, threshold=-10.0, window=2)
     assert WARM in {p.mode for p in plan.partitions}
     ref = _run(x, cu, h0, None)
-    errs = _errors(_run(x, cu, h0, CPContext.single(cu, intra_cp=4, intra_threshold=-10.0)), ref)
+    errs = _errors(_run(x, cu, h0, CPContext.single(cu, intra_cp=4, intra_exact=False, intra_threshold=-10.0)), ref)
     assert max(errs.values()) < 10 * math.exp(-10.0), errs
     assert max(errs.values()) > 1e-14  # the shortcut really ran (the exact path would be ~1e-16)
     exact = _errors(_run(x, cu, h0, CPContext.single(cu, intra_cp=4, intra_exact=True)), ref)
@@ -109,7 +109,7 @@ def test_partitions_are_chunk_aligned_and_cover_every_token():
 def test_backward_reuses_the_forward_plan():
     """The plan depends on g; the backward must not rebuild it (even if g changed in between)."""
     x, cu, h0 = _case(seed=5, strong_decay_heads=4, zero_gate_heads=0)
-    engine = IntraEngine(OpEngine("torch"), intra_cp=4, threshold=-10.0)
+    engine = IntraEngine(OpEngine("torch"), intra_cp=4, exact=False, threshold=-10.0)
     o, fin, ctx = engine.fwd(*(x[n] for n in NAMES), 16**-0.5, h0, cu)
     assert ctx[0] == "split"
     plan = ctx[1]
@@ -132,26 +132,31 @@ def test_cost_model_decisions():
     # enough (sequence, head) pairs to fill the SMs: no split
     assert plan_partitions([512] * 64, num_heads=32, sms=132).partitions == [1] * 64
     # short sequences never split below the minimum partition length
-    assert plan_partitions([12], num_heads=1).partitions == [1]
+    assert plan_partitions([12], num_heads=1, sms=132).partitions == [1]
     # only the long sequence of a mixed batch splits
-    mixed = plan_partitions([512, 8, 8], num_heads=8).partitions
+    mixed = plan_partitions([512, 8, 8], num_heads=8, sms=132).partitions
     assert mixed[0] > 1 and mixed[1:] == [1, 1]
     # user overrides
-    assert plan_partitions([512], 4, intra_cp="off").partitions == [1]
-    assert plan_partitions([512, 2], 4, intra_cp=3).partitions == [3, 2]
+    assert plan_partitions([512], 4, 132, intra_cp="off").partitions == [1]
+    assert plan_partitions([512, 2], 4, None, intra_cp=3).partitions == [3, 2]
     # forward and backward decide identically: the model is a pure function of its inputs
-    assert plan_partitions([300, 77], 2) == plan_partitions([300, 77], 2)
+    assert plan_partitions([300, 77], 2, 132) == plan_partitions([300, 77], 2, 132)
 
 
-def test_auto_plan_runs_exact_under_the_op():
+def test_auto_plan_splits_for_a_gpu_and_runs_exact_under_the_op(monkeypatch):
     gen = torch.Generator().manual_seed(6)
-    cu = random_cu_seqlens([2100, 50])  # 33 chunks, 4 heads: the model splits the long one
+    cu = random_cu_seqlens([2100, 50])  # 33 chunks, 4 heads: the model splits the long one on 132 SMs
     x = make_gdn_inputs(seq_len=2150, num_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, generator=gen)
     h0 = torch.randn(2, 4, 16, 16, generator=gen, dtype=torch.float64)
-    plan = build_plan(cu.tolist(), x["g"], 4, intra_cp="auto", exact=True)
+    plan = build_plan(cu.tolist(), x["g"], 4, intra_cp="auto", sms=132)
     assert not plan.is_trivial and len(plan.partitions) == 5
+    # without a GPU 'auto' has no SMs to fill: every sequence stays whole
+    assert build_plan(cu.tolist(), x["g"], 4, intra_cp="auto").is_trivial
     ref = _run(x, cu, h0, None)
-    cp = CPContext.single(cu, intra_cp="auto", intra_exact=True)
+    from flash_qla_cp.parallel import intra
+
+    monkeypatch.setattr(intra, "sm_count", lambda device: 132)  # as on a GPU of 132 SMs
+    cp = CPContext.single(cu, intra_cp="auto")  # exact by default: no decay shortcut
     errs = _errors(_run(x, cu, h0, cp), ref)
     assert max(errs.values()) < 1e-10, errs
 
