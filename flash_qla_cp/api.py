@@ -11,7 +11,7 @@ from .ops import single_device_op
 from .options import KernelOptions
 from .parallel.context import CPContext
 from .parallel.dual import cp_chunk_gated_delta_rule
-from .validation import check_inputs, check_intra_cp
+from .validation import check_inputs, check_intra_cp, check_tensors
 
 
 def chunk_gated_delta_rule(
@@ -71,6 +71,7 @@ def chunk_gated_delta_rule(
     """
     if head_first:
         raise ValueError("chunk_gated_delta_rule: head_first=True is not supported; pass [B, T, H, K] tensors")
+    check_tensors(q, k, v, g, beta)
     if cu_seqlens is None and cu_seqlens_cpu is not None:
         cu_seqlens = cu_seqlens_cpu.to(q.device)
     if cp_context is not None:

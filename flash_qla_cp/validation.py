@@ -20,9 +20,8 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
     With `cu_seqlens_cpu` (the caller's host copy, as FLA takes it) the offsets are checked on
     that copy, so a GPU cu_seqlens is not read back: no host sync, and the call can be captured
     in a CUDA graph. The copy must hold the same offsets; only its length is compared."""
+    check_tensors(q, k, v, g, beta)
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in FLOAT_DTYPES:
             _fail(f"{name} must be a floating tensor, got {t.dtype}")
         if t.device != q.device:
@@ -35,6 +34,9 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
         _fail(f"q and k must have the same shape, got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, H, K = q.shape
     HV = v.shape[2]
+    for dim, size in (("B", B), ("H", H), ("K", K), ("HV", v.shape[2]), ("V", v.shape[3])):
+        if size == 0:
+            _fail(f"{dim} = 0 in q {tuple(q.shape)} / v {tuple(v.shape)}: every dimension but T must be positive")
     if v.shape[:2] != (B, T):
         _fail(f"v must be [B={B}, T={T}, HV, V], got {tuple(v.shape)}")
     if HV % H != 0:
@@ -66,6 +68,13 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
         if initial_state.device != q.device:
             _fail(f"initial_state is on {initial_state.device}, inputs on {q.device}")
     return num_seqs
+
+
+def check_tensors(q, k, v, g, beta):
+    """The five inputs are tensors (checked before anything reads their attributes)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
 def check_scale(scale):

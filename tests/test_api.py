@@ -229,6 +229,12 @@ def _good(**kw):
         (lambda x: x.update(q=x["q"][0], k=x["k"][0]), "4-D"),
         (lambda x: x.update(v=x["v"].long()), "floating"),
         (lambda x: x.update(k=x["k"].float()), "one dtype"),
+        (lambda x: x.update({n: t[:0] for n, t in x.items()}), "B = 0"),
+        (lambda x: x.update(q=x["q"][:, :, :0], k=x["k"][:, :, :0]), "H = 0"),
+        (lambda x: x.update(q=x["q"][..., :0], k=x["k"][..., :0]), "K = 0"),
+        (lambda x: x.update(v=x["v"][..., :0]), "V = 0"),
+        (lambda x: x.update(q=x["q"].tolist()), "q must be a torch.Tensor"),
+        (lambda x: x.update(beta=0.5), "beta must be a torch.Tensor"),
         (lambda x: x.update(v=x["v"].half()), "one dtype"),
     ],
 )

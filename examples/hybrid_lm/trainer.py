@@ -40,47 +40,71 @@ from .model import HybridLM, HybridLMConfig
 CHECKPOINT_NAME = "checkpoint.pt"
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _intra_cp(text: str):
+    if text in ("auto", "off"):
+        return text
+    try:
+        return _positive_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be off, auto or a number of partitions, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Pretrain a small hybrid Gated DeltaNet LM (flash_qla_cp).")
-    p.add_argument("--steps", type=int, default=100, help="total optimizer steps (a resumed run stops here too)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per step, global (all ranks together)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel degree; world size must be a multiple")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=2, help="GDN q/k heads (and attention heads)")
-    p.add_argument("--v-heads", type=int, default=None, help="GDN value heads (GVA); default --heads")
-    p.add_argument("--head-dim", type=int, default=None, help="GDN head dim; default hidden // heads")
-    p.add_argument("--attn-every", type=int, default=0, help="every k-th block is softmax attention (0: none)")
-    p.add_argument("--cp-intra", default=None,
+    p.add_argument("--steps", type=_positive_int, default=100, help="total optimizer steps (a resumed run stops here too)")
+    p.add_argument("--seq-len", type=_positive_int, default=2048, help="tokens per step, global (all ranks together)")
+    p.add_argument("--cp", type=_positive_int, default=1, help="context-parallel degree; world size must be a multiple")
+    p.add_argument("--layers", type=_positive_int, default=4)
+    p.add_argument("--hidden", type=_positive_int, default=128)
+    p.add_argument("--heads", type=_positive_int, default=2, help="GDN q/k heads (and attention heads)")
+    p.add_argument("--v-heads", type=_positive_int, default=None, help="GDN value heads (GVA); default --heads")
+    p.add_argument("--head-dim", type=_positive_int, default=None, help="GDN head dim; default hidden // heads")
+    p.add_argument("--attn-every", type=_non_negative_int, default=0, help="every k-th block is softmax attention (0: none)")
+    p.add_argument("--cp-intra", default=None, type=_intra_cp,
                    help="intra-card CP split inside each rank: off | auto | N partitions (CPContext.build(intra_cp=); "
                         "with --cp 1 the op's intra_cp). Default: auto on CUDA (split inside the TileLang "
                         "kernels for sequences of 16k tokens and more), off on CPU")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=1.0,
                    help="cosine decay to lr * ratio over --decay-steps (1.0: constant after warm-up)")
-    p.add_argument("--decay-steps", type=int, default=0, help="cosine horizon (0: --steps)")
-    p.add_argument("--warmup", type=int, default=0, help="linear warm-up steps")
+    p.add_argument("--decay-steps", type=_non_negative_int, default=0, help="cosine horizon (0: --steps)")
+    p.add_argument("--warmup", type=_non_negative_int, default=0, help="linear warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--min-doc-bytes", type=int, default=64,
+    p.add_argument("--min-doc-bytes", type=_non_negative_int, default=64,
                    help="merge consecutive corpus paragraphs into documents of at least this many bytes "
                         "(large values make long documents that span CP ranks)")
     p.add_argument("--save", default=None, help="checkpoint directory to write (at the end and every --save-every)")
-    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--save-every", type=_non_negative_int, default=0)
     p.add_argument("--resume", default=None, help="checkpoint directory to resume from (if it holds one)")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=_positive_int, default=10)
     p.add_argument("--metrics-out", default=None, help="rank 0 appends one JSON line per step (step, loss, ...)")
     p.add_argument("--recompute-states", action="store_true",
                    help="GDN backward recomputes the chunk states instead of keeping them from the forward "
                         "(less memory between forward and backward, one more state walk; save_states=False)")
     p.add_argument("--checkpoint-blocks", action="store_true",
                    help="activation checkpointing per block: far less activation memory, ~1/3 more compute")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16")
-    p.add_argument("--backend", default="auto", help="GDN kernel backend: auto | torch | tilelang")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="auto: bf16 autocast on GPU, fp32 on CPU")
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "tilelang"), help="GDN kernel backend")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=_non_negative_int, default=1,
                    help="CPU threads per process (0: cores / local processes). 1 is the default: small CPU "
                         "ops gain little from more and collapse when the cores are shared")
     return p
@@ -149,7 +173,7 @@ def parse_intra(text, device_type: str = "cpu"):
     'auto' on CUDA (the TileLang kernels split where heads are few), 'off' on CPU."""
     if text is None:
         return "auto" if device_type == "cuda" else "off"
-    return text if text in ("auto", "off") else int(text)
+    return _intra_cp(str(text))
 
 
 def build_cp_context(row: PackedBatch, d: Dist, intra=None):
@@ -262,16 +286,39 @@ def save_checkpoint(path_dir: str, model, optimizer, step: int, args, d: Dist):
     d.barrier()
 
 
-def load_checkpoint(path_dir: str, model, optimizer, device) -> int | None:
-    path = os.path.join(path_dir, CHECKPOINT_NAME)
-    if not os.path.exists(path):
+def checkpoint_file(resume: str, save: str | None) -> str | None:
+    """The checkpoint --resume names: DIR/checkpoint.pt, or the file itself. None only where a run
+    resumes from its own --save directory that holds none yet (a first run); any other path
+    without a checkpoint is an error, never a silent start from step 0."""
+    if os.path.isfile(resume):
+        return resume
+    path = os.path.join(resume, CHECKPOINT_NAME)
+    if os.path.isfile(path):
+        return path
+    if save is not None and os.path.abspath(resume) == os.path.abspath(save):
         return None
-    # on the CPU: the RNG states must stay CPU byte tensors; load_state_dict moves the rest
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-    set_rng_state(payload["rng"])
-    return int(payload["step"])
+    raise SystemExit(f"--resume {resume}: no checkpoint there (expected {path} or a checkpoint file)")
+
+
+def load_checkpoint(path: str, model, optimizer, args) -> int:
+    """Load a checkpoint written by `save_checkpoint`; returns its step. Unreadable files and
+    checkpoints of another model configuration end the run with a message naming --resume."""
+    try:  # on the CPU: the RNG states must stay CPU byte tensors; load_state_dict moves the rest
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        state, optim, rng, step = payload["model"], payload["optimizer"], payload["rng"], int(payload["step"])
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same message
+        raise SystemExit(f"--resume {path}: not a readable checkpoint ({type(exc).__name__}: {exc})") from None
+    try:
+        model.load_state_dict(state)
+    except RuntimeError:
+        saved = payload.get("args", {})
+        keys = ("layers", "hidden", "heads", "v_heads", "head_dim", "attn_every")
+        differ = {k: (saved.get(k), getattr(args, k, None)) for k in keys if saved.get(k) != getattr(args, k, None)}
+        raise SystemExit(f"--resume {path}: the checkpoint is of another model configuration "
+                         f"(flag: checkpoint's, this run's): {differ}") from None
+    optimizer.load_state_dict(optim)
+    set_rng_state(rng)
+    return step
 
 
 # ----------------------------------------------------------------------------- main loop
@@ -321,10 +368,12 @@ def _train(args, d: Dist) -> list[float]:
 
     start_step = 0
     if args.resume:
-        got = load_checkpoint(args.resume, model, optimizer, d.device)
-        if got is not None:
-            start_step = got
-            _log(d, f"resumed from {os.path.join(args.resume, CHECKPOINT_NAME)} at step {start_step}")
+        path = checkpoint_file(args.resume, args.save)
+        if path is None:
+            _log(d, f"no checkpoint in {args.resume} yet: starting at step 0")
+        else:
+            start_step = load_checkpoint(path, model, optimizer, args)
+            _log(d, f"resumed from {path} at step {start_step}")
     n_params = sum(p.numel() for p in model.parameters())
     _log(
         d,

@@ -42,6 +42,21 @@ def _fail(message: str):
     raise ValueError(f"GatedDeltaNet: {message}")
 
 
+def _check_padding_mask(mask: torch.Tensor):
+    """A padding mask holds only 0 / 1 and, per row, one run of ones (left or right padding, or
+    both): a hole in the middle would feed the conv zeros where the dropped tokens were, which
+    is not the sequence without them. One host sync for both checks."""
+    binary = (mask == 0) | (mask == 1)
+    m = mask.to(torch.int64)
+    starts = m[:, :1] + (m[:, 1:] > m[:, :-1]).sum(1, keepdim=True)  # runs of ones per row
+    bad_values, holes = torch.stack([(~binary).any(), (binary.all() & (starts > 1).any())]).tolist()
+    if bad_values:
+        _fail("attention_mask must hold only 0 (padding) and 1 (token)")
+    if holes:
+        _fail("attention_mask must mark one run of tokens per row (left or right padding); for several "
+              "sequences in a row pack them with cu_seqlens instead")
+
+
 @dataclass
 class GDNCache:
     """Decode state of one layer for N sequences.
@@ -268,6 +283,8 @@ class GatedDeltaNet(nn.Module):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             _fail(f"hidden_states must be a 3-D tensor [B, T, hidden_size={self.hidden_size}], got {got}")
         B, T, D = x.shape
+        if B == 0:
+            _fail(f"hidden_states has batch size 0 ({tuple(x.shape)})")
         if D != self.hidden_size:
             _fail(f"hidden_states last dim is {D}, but the layer was built with hidden_size={self.hidden_size}")
         if not x.is_floating_point():
@@ -279,6 +296,7 @@ class GatedDeltaNet(nn.Module):
                 got = (tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
                        else type(attention_mask).__name__)
                 _fail(f"attention_mask must be a [B, T] = {(B, T)} padding mask (1 = keep), got {got}")
+            _check_padding_mask(attention_mask)
         N = B
         if cu_seqlens is not None:
             if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64) \
@@ -306,25 +324,29 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, hidden_states, attention_mask=None, cu_seqlens=None, conv_state=None, recurrent_state=None,
              output_final_state=False, cp_context=None):
         """The layer. Returns (output [B, T, D], new conv state, new recurrent state, conv input [B, T, C])."""
+        num_seqs = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) else 0
         if cp_context is None:
-            self._check(hidden_states, attention_mask, cu_seqlens, conv_state, recurrent_state)
+            num_seqs = self._check(hidden_states, attention_mask, cu_seqlens, conv_state, recurrent_state)
         else:
             # the op checks cu_seqlens and the state against the global batch the plan was built for
             self._check(hidden_states, None, None, None, None)
             if attention_mask is not None or conv_state is not None or output_final_state:
                 _fail("under context parallelism pass packed sequences (cu_seqlens); attention_mask, "
                       "cache and use_cache are not supported")
+        B, T, _ = hidden_states.shape
+        if T == 0:  # nothing to mix: an empty output, the states handed on unchanged
+            return self._empty_call(hidden_states, num_seqs, conv_state, recurrent_state, output_final_state)
         keep = None
         if attention_mask is not None:
             # padded tokens: zero input (nothing leaks through the conv), g = beta = 0 (the state passes
-            # through untouched), zero output
+            # through untouched), zero output; selected, not multiplied, so that NaN in padding stays there
             keep = attention_mask.to(device=hidden_states.device, dtype=torch.bool)
-            hidden_states = hidden_states * keep[..., None].to(hidden_states.dtype)
+            hidden_states = torch.where(keep[..., None], hidden_states, 0.0)
         mixed, z, b, a = self._project(hidden_states)
         g, beta = self._gates(b, a)
         if keep is not None:
-            g = g * keep[..., None]
-            beta = beta * keep[..., None]
+            g = torch.where(keep[..., None], g, 0.0)
+            beta = torch.where(keep[..., None], beta, 0.0)
 
         conv_out, new_conv_state = self.short_conv(mixed, cu_seqlens, conv_state, output_final_state, cp_context)
         if keep is not None and output_final_state:
@@ -338,8 +360,23 @@ class GatedDeltaNet(nn.Module):
 
         o, new_state = self._core(q, k, v, g, beta, recurrent_state, output_final_state, cu_seqlens, cp_context)
         if keep is not None:
-            o = o * keep[..., None, None].to(o.dtype)
+            o = torch.where(keep[..., None, None], o, 0.0)
         return self._output(o, z), new_conv_state, new_state, mixed
+
+    def _empty_call(self, x, num_seqs, conv_state, recurrent_state, output_final_state):
+        """_mix's results for T = 0 tokens (num_seqs sequences, all empty)."""
+        B = x.shape[0]
+        out = x.new_zeros(B, 0, self.hidden_size)
+        mixed = x.new_zeros(B, 0, self.conv_dim)
+        if not output_final_state:
+            return out, None, None, mixed
+        state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if conv_state is None:
+            conv_state = x.new_zeros(num_seqs, self.conv_dim, self.conv_size - 1)
+        if recurrent_state is None:
+            recurrent_state = torch.zeros(num_seqs, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=state_dtype,
+                                          device=x.device)
+        return out, conv_state, recurrent_state, mixed
 
     def forward(
         self,

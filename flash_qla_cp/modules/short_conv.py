@@ -125,7 +125,8 @@ def last_kept_inputs(x: torch.Tensor, keep: torch.Tensor, width: int, conv_state
     kept_first = torch.sort(torch.where(keep, pos, pos + T), dim=1).values  # kept positions first, in order
     n = keep.sum(1, keepdim=True)  # [B, 1]
     k = n - width + torch.arange(width, device=x.device)  # index among kept tokens, [B, width]
-    rows = torch.gather(kept_first, 1, k.clamp(0, T - 1)) if T > 0 else torch.zeros_like(k)
+    # (rows past the kept tokens, k < 0, are not used: clamped into range for the gather)
+    rows = torch.gather(kept_first, 1, k.clamp(0, T - 1)).clamp(max=T - 1) if T > 0 else torch.zeros_like(k)
     out = torch.gather(x, 1, rows[..., None].expand(B, width, C))  # [B, width, C]
     if conv_state is not None:
         hist = conv_state[..., conv_state.shape[-1] - width :].transpose(1, 2).to(x.dtype)  # [B, width, C]

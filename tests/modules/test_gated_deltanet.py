@@ -297,3 +297,51 @@ def test_bad_input_raises_clear_errors():
 def test_conv_function_rejects_unknown_activation():
     with pytest.raises(ValueError, match="activation"):
         causal_conv1d_varlen(torch.zeros(1, 3, 2), torch.zeros(2, 4), activation="gelu")
+
+
+def test_nan_in_padding_never_reaches_real_tokens():
+    m = _layer()
+    x = _x(2, 9)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 0, 0]])
+    poisoned = x.clone()
+    poisoned[0, :3] = float("nan")
+    poisoned[1, 7:] = float("inf")
+    want = m(x, attention_mask=mask)
+    got = m(poisoned, attention_mask=mask)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mask, words", [
+    ([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]], "one run of tokens"),
+    ([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1]], "one run of tokens"),
+    ([[0.5, 1, 1, 1, 1], [1, 1, 1, 1, 1]], "only 0"),
+    ([[2, 2, 2, 2, 2], [1, 1, 1, 1, 1]], "only 0"),
+])
+def test_padding_mask_must_be_binary_and_contiguous(mask, words):
+    with pytest.raises(ValueError, match=words):
+        _layer()(_x(2, 5), attention_mask=torch.tensor(mask))
+
+
+def test_padding_on_both_sides_and_all_padding_rows_work():
+    m = _layer()
+    x = _x(3, 6)
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    out, cache = m(x, attention_mask=mask, use_cache=True)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # a row of padding only: no output, no state
+    assert torch.equal(cache.conv_state[1], torch.zeros_like(cache.conv_state[1]))
+    assert torch.equal(cache.recurrent_state[1], torch.zeros_like(cache.recurrent_state[1]))
+    alone = m(x[:1, 1:4])  # the padded row equals its tokens on their own
+    assert rel_err(out[:1, 1:4], alone) < 1e-12
+
+
+def test_no_tokens_give_an_empty_output_and_hand_the_states_on():
+    m = _layer()
+    out, cache = m(_x(2, 0), use_cache=True)
+    assert out.shape == (2, 0, D) and cache.seen_tokens == 0
+    assert not cache.recurrent_state.any() and not cache.conv_state.any()
+    x = _x(2, 7)
+    _, after = m(x, use_cache=True)
+    out2, again = m(_x(2, 0), cache=after, use_cache=True)
+    assert torch.equal(again.recurrent_state, after.recurrent_state) and torch.equal(again.conv_state, after.conv_state)
+    with pytest.raises(ValueError, match="batch size 0"):
+        m(_x(0, 4))

@@ -241,3 +241,35 @@ def test_recompute_states_flag_reaches_every_gdn_layer():
         model = HybridLM(model_config(build_parser().parse_args([*TINY, *flags])))
         layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         assert layers and all(m.save_states is want for m in layers)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--dtype", "fp16"], "--dtype"),
+    (["--dtype", "bogus"], "--dtype"),
+    (["--cp-intra", "bogus"], "--cp-intra"),
+    (["--layers", "0"], "--layers"),
+    (["--threads", "-1"], "--threads"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bad_flags_name_themselves(flags, words, capsys):
+    with pytest.raises(SystemExit):
+        main([*TINY, "--steps", "1", *flags])
+    assert words in capsys.readouterr().err
+
+
+def test_resume_errors_name_the_flag(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    main([*TINY, "--steps", "2", "--save", str(ckpt)])
+    # the checkpoint file itself works as well as its folder
+    assert len(main([*TINY, "--steps", "3", "--resume", str(ckpt / "checkpoint.pt")])) == 1
+    with pytest.raises(SystemExit, match="--resume .*no checkpoint there"):
+        main([*TINY, "--steps", "3", "--resume", str(tmp_path / "typo")])
+    with pytest.raises(SystemExit, match="another model configuration.*hidden"):
+        main([*TINY, "--steps", "3", "--hidden", "32", "--resume", str(ckpt)])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit, match="not a readable checkpoint"):
+        main([*TINY, "--steps", "3", "--resume", str(tmp_path / "bad")])
+    # a run resuming from its own, still empty, save directory starts at step 0 (a first run)
+    fresh = tmp_path / "fresh"
+    assert len(main([*TINY, "--steps", "1", "--save", str(fresh), "--resume", str(fresh)])) == 1
