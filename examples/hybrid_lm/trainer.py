@@ -20,6 +20,7 @@ order is a pure function of (seed, step), so a resumed run continues the same lo
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bf16 autocast on GPU, fp32 on CPU")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "tilelang"), help="GDN kernel backend")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="minutes a collective may wait for the other ranks before the job fails (a stalled "
+                        "or failed rank then ends the run on every rank instead of hanging)")
     p.add_argument("--threads", type=_non_negative_int, default=1,
                    help="CPU threads per process (0: cores / local processes). 1 is the default: small CPU "
                         "ops gain little from more and collapse when the cores are shared")
@@ -116,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 class Dist:
     """World, CP and DP layout of this process."""
 
-    def __init__(self, cp: int, device_arg: str):
+    def __init__(self, cp: int, device_arg: str, timeout_minutes: float = 5.0):
         self.launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         self.rank = int(os.environ.get("RANK", 0))
         self.world = int(os.environ.get("WORLD_SIZE", 1))
@@ -138,10 +142,13 @@ class Dist:
         if self.launched and self.world > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             kw = {"device_id": self.device} if self.device.type == "cuda" else {}
-            dist.init_process_group(backend=backend, **kw)
+            # a rank that stalls or dies makes the others' next collective fail after this long
+            # (torch's default is 30 minutes); the failed rank's exit then ends the torchrun job
+            timeout = datetime.timedelta(minutes=timeout_minutes)
+            dist.init_process_group(backend=backend, timeout=timeout, **kw)
             for g in range(self.dp):  # every rank must take part in creating every group
                 ranks = list(range(g * cp, (g + 1) * cp))
-                grp = dist.new_group(ranks)
+                grp = dist.new_group(ranks, timeout=timeout)
                 if g == self.dp_rank:
                     self.cp_group = grp
         elif self.world > 1:
@@ -332,7 +339,7 @@ def _log(d: Dist, msg: str):
 def main(argv=None) -> list[float]:
     """Run training; returns the per-step global losses (on every rank)."""
     args = build_parser().parse_args(argv)
-    d = Dist(args.cp, args.device)
+    d = Dist(args.cp, args.device, args.timeout)
     threads = torch.get_num_threads()
     try:
         return _train(args, d)

@@ -180,17 +180,25 @@ def _check_local(cu, seq_len_global, world):
     return edges, T
 
 
-def _agree(edges, T, problem, rank, world, group):
-    """One all_gather of (ok, length, T, crc) so all ranks reach the same verdict."""
-    crc = zlib.crc32(",".join(map(str, edges)).encode()) if edges else 0  # (no numpy: torch does not need it)
-    mine = torch.tensor([0 if problem is None else 1, len(edges), T, crc], dtype=torch.int64, device=comm_device(group))
+def agree(group, world, problem, signature, what: str, differs: str):
+    """One all_gather of (failed, *signature) so that every rank reaches the same verdict: a
+    problem found on any rank, or signatures (ints that must be equal on every rank) that
+    differ, raise the same CPError on every rank instead of leaving the others waiting in the
+    next collective. `what` names the call, `differs` what a differing signature means."""
+    mine = torch.tensor([0 if problem is None else 1, *signature], dtype=torch.int64, device=comm_device(group))
     got = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(got, mine, group=group)
     rows = [t.cpu().tolist() for t in got]
     bad = [r for r, row in enumerate(rows) if row[0]]
     if bad:
         detail = f" (here: {problem})" if problem else ""
-        raise CPError(f"CPContext.build: invalid cu_seqlens_global on rank(s) {bad}{detail}")
+        raise CPError(f"{what}: invalid input on rank(s) {bad}{detail}")
     if any(row[1:] != rows[0][1:] for row in rows):
-        raise CPError(f"CPContext.build: cu_seqlens_global differs across ranks (length, T, crc32 per rank: "
-                      f"{[tuple(row[1:]) for row in rows]}); every rank must pass the same global cu_seqlens")
+        raise CPError(f"{what}: {differs} (per rank: {[tuple(row[1:]) for row in rows]})")
+
+
+def _agree(edges, T, problem, rank, world, group):
+    """CPContext.build's verdict: the same valid cu_seqlens_global on every rank."""
+    crc = zlib.crc32(",".join(map(str, edges)).encode()) if edges else 0  # (no numpy: torch does not need it)
+    agree(group, world, problem, [len(edges), T, crc], "CPContext.build",
+          "cu_seqlens_global differs across ranks (length, T, crc32); every rank must pass the same global cu_seqlens")

@@ -1,6 +1,8 @@
 """Inter-card CP on CPU: 2, 3 and 4 gloo processes against the single-process op (one process
 group per world size runs every case: spawning is the slow part)."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -86,6 +88,31 @@ def _error_cases(rank, world):
         msgs["local_failure"] = None
     except CPError as exc:
         msgs["local_failure"] = str(exc)
+    # a bad input of this call on one rank (rank 1 stays alive after its own error): every rank
+    # raises the same CPError at once, before the exchange, instead of waiting in it
+    cu = random_cu_seqlens(lengths_for(world, "mixed"))
+    cp = CPContext.build(cu)
+    full = make_gdn_inputs(seq_len=96 * world, head_k_dim=8, head_v_dim=8)
+    good = {n: cp.local_slice(t) for n, t in full.items()}
+    h0 = torch.zeros(cp.num_seqs_global, 4, 8, 8, dtype=torch.float64)
+    calls = {
+        "short_slice": dict(good, q=good["q"][:, 1:], k=good["k"][:, 1:]) if rank == 1 else good,
+        "mixed_dtype": dict(good, v=good["v"].float()) if rank == 1 else good,
+        "h0_rows": dict(good, initial_state=h0[1:] if rank == 1 else h0),
+    }
+    for name, inputs in calls.items():
+        start = time.monotonic()
+        try:
+            chunk_gated_delta_rule(**inputs, cp_context=cp)
+            msgs[name] = (None, 0.0)
+        except CPError as exc:
+            msgs[name] = (str(exc), time.monotonic() - start)
+    start = time.monotonic()
+    try:  # a setting that must agree across ranks
+        chunk_gated_delta_rule(**good, cp_context=cp, output_final_state=rank == 0)
+        msgs["flags"] = (None, 0.0)
+    except CPError as exc:
+        msgs["flags"] = (str(exc), time.monotonic() - start)
     # the group still works after the errors
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -108,6 +135,11 @@ def test_inter_cp_matches_single_process(world):
         assert "differs across ranks" in errors["mismatch"]
         assert f"rank(s) [{world - 1}]" in errors["bad_on_one_rank"]
         assert "failed on rank(s) [1]" in errors["local_failure"]
+        for name in ("short_slice", "mixed_dtype", "h0_rows"):
+            msg, seconds = errors[name]
+            assert msg and "invalid input on rank(s) [1]" in msg and seconds < 5, (name, msg, seconds)
+        msg, seconds = errors["flags"]
+        assert msg and "disagree" in msg and seconds < 5, (msg, seconds)
 
 
 def test_wrong_local_length_is_a_clear_error():

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -273,3 +274,26 @@ def test_resume_errors_name_the_flag(tmp_path):
     # a run resuming from its own, still empty, save directory starts at step 0 (a first run)
     fresh = tmp_path / "fresh"
     assert len(main([*TINY, "--steps", "1", "--save", str(fresh), "--resume", str(fresh)])) == 1
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
+    """--timeout: a rank that never reaches a collective (here: asleep) makes the other rank's
+    collective fail after the timeout, and torchrun then ends the job on every rank, non-zero,
+    instead of waiting torch's default 30 minutes."""
+    script = tmp_path / "stall.py"
+    script.write_text(
+        "import sys, time, torch\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "from hybrid_lm.trainer import Dist\n"
+        "d = Dist(1, 'cpu', timeout_minutes=0.05)\n"  # 3 s
+        "if d.rank == 1:\n"
+        "    time.sleep(600)\n"
+        "d.all_reduce_sum(torch.ones(1))\n"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(script)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    seconds = time.monotonic() - start
+    assert proc.returncode != 0 and seconds < 90, (proc.returncode, seconds, proc.stderr[-2000:])
