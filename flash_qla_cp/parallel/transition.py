@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..constants import CHUNK
-from ..reference.chunked import _decay_diff, _to_chunks, compute_dtype
-from ..reference.shapes import expand_qk_heads, padded_chunk_index
+from ..reference.chunked import _decay_diff, compute_dtype
+from ..reference.shapes import expand_qk_heads
 
 
 def _chunk_maps(k, v, g, beta, with_h: bool):
@@ -57,6 +57,33 @@ def _tree_reduce(M, h):
 
 
 @torch.no_grad()
+def padded_chunk_index(bounds, seq_len: int, num_tokens: int, chunk_size: int, device):
+    """Token index table [N, Tp] (Tp a multiple of chunk_size) into the flat B*T token axis.
+
+    Each sequence starts at column 0; columns past its end point at the extra zero row
+    with index num_tokens (= B*T), which the caller appends. Padding tokens carry g = 0, beta = 0 and
+    k = 0, so they leave the state unchanged and the final state stays exact.
+    """
+    longest = max((end - start for _, start, end in bounds), default=0)
+    padded = max(chunk_size, -(-longest // chunk_size) * chunk_size)
+    index = torch.full((len(bounds), padded), num_tokens, dtype=torch.long)
+    for n, (b, start, end) in enumerate(bounds):
+        index[n, : end - start] = torch.arange(b * seq_len + start, b * seq_len + end)
+    return index.to(device), padded
+
+
+def _to_chunks(x: torch.Tensor, index: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, HV, ...] -> [N, HV, NT, C, ...] gathered through a padded token index
+    (`padded_chunk_index`)."""
+    flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).to(dtype)
+    flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
+    gathered = flat[index]  # [N, Tp, HV, ...]
+    N, Tp = index.shape
+    gathered = gathered.reshape(N, Tp // chunk_size, chunk_size, *gathered.shape[2:])
+    # move the head axis in front of the chunk axes
+    return gathered.movedim(3, 1)
+
+
 def segment_transitions(k, v, g, beta, cu_seqlens=None, with_h=True, group=64, chunk_size=CHUNK):
     """(M [N, HV, K, K], h [N, HV, K, V] or None) per sequence of a packed [1, T, ...] batch.
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from ..constants import CHUNK
-from .chunked import _decay_diff, _from_chunks, _to_chunks, compute_dtype
-from .shapes import expand_qk_heads, padded_chunk_index, sequence_bounds
+from .chunked import _decay_diff, compute_dtype
+from .shapes import ChunkLayout, expand_qk_heads, sequence_bounds
 
 
 def ut_inverse(k, G, beta):
@@ -48,8 +48,7 @@ def chunk_gradients(q, k, do, vres, dvn, t, G, beta, Tm, S, dS, scale):
     """(dq, dk, dbeta, dg) of chunks [..., C, ...] (the formulas of the module docstring), given
     each chunk's vres, dvn, t = Ag^T dvn, G (chunk-local cumulative gate), Tm (`ut_inverse`), the
     state S entering it and the gradient dS' of the state leaving it [..., K, V]. No recurrence:
-    any batch of chunks at once (the reverse walk below, one chunk at a time; `chunk_grads_torch`,
-    many)."""
+    any batch of chunks at once (the reverse walk below takes one step's chunks at a time)."""
     C = q.shape[-2]
     GL = G[..., -1]
     gam_incl = _decay_diff(G, include_diagonal=True)
@@ -79,38 +78,44 @@ def chunk_gradients(q, k, do, vres, dvn, t, G, beta, Tm, S, dS, scale):
     return dq, dk, dbeta, dG.flip(-1).cumsum(-1).flip(-1)
 
 
-def _chunk_backward(q, k, v, g, beta, scale, S0, do, dS_last):
-    """Gradients on chunk-aligned tensors [N, HV, NT, C, ...] (see `chunk_scan`)."""
+def _chunk_backward(q, k, v, g, beta, scale, S0, do, dS_last, layout: ChunkLayout):
+    """Gradients on the chunks of a `ChunkLayout` ([NC, HV, C, ...], see `chunk_scan`); S0 and
+    dS_last [N, HV, K, V] in the sequences' own order. Both walks carry only the sequences still
+    walking: work in proportion to NC."""
     G = g.cumsum(-1)
-    GL = G[..., -1]
+    GL = torch.exp(G[..., -1])[..., None, None]  # each chunk's decay exp(G_L)
     Tm = ut_inverse(k, G, beta)
     Ag = Tm * beta[..., None, :]
     eG = torch.exp(G)[..., None]
-    k_tail = torch.exp(GL[..., None] - G)[..., None]  # exp(GL - G) per row
+    k_tail = torch.exp(G[..., -1:] - G)[..., None]  # exp(GL - G) per row
     P = scale * (q @ k.transpose(-1, -2)) * _decay_diff(G, include_diagonal=True)
+    order = torch.tensor(layout.order, dtype=torch.long, device=S0.device)
 
-    # forward walk: the state entering every chunk and vres
-    states, vres_all = [], []
-    S = S0
-    for c in range(q.shape[2]):
-        vres = v[:, :, c] - eG[:, :, c] * (k[:, :, c] @ S)
-        states.append(S)
-        vres_all.append(vres)
-        S = torch.exp(GL[:, :, c])[..., None, None] * S + (k_tail[:, :, c] * k[:, :, c]).transpose(-1, -2) @ (
-            Ag[:, :, c] @ vres)
+    # forward walk: the state entering every chunk, and vres
+    states = k.new_empty(*k.shape[:2], k.shape[-1], v.shape[-1])  # [NC, HV, K, V]
+    vres = torch.empty_like(v)
+    S = S0.index_select(0, order)
+    for c, walking in enumerate(layout.active):
+        S, r = S[:walking], layout.rows(c)
+        vres[r] = v[r] - eG[r] * (k[r] @ S)
+        states[r] = S
+        S = GL[r] * S + (k_tail[r] * k[r]).transpose(-1, -2) @ (Ag[r] @ vres[r])
 
-    dq, dk, dv, dg, dbeta = (torch.zeros_like(x) for x in (q, k, v, g, beta))
-    dS = dS_last
-    for c in reversed(range(q.shape[2])):
-        qc, kc, doc, eGc = q[:, :, c], k[:, :, c], do[:, :, c], eG[:, :, c]
-        dvn = P[:, :, c].transpose(-1, -2) @ doc + k_tail[:, :, c] * (kc @ dS)
-        t = Ag[:, :, c].transpose(-1, -2) @ dvn
-        dv[:, :, c] = t
-        dq[:, :, c], dk[:, :, c], dbeta[:, :, c], dg[:, :, c] = chunk_gradients(
-            qc, kc, doc, vres_all[c], dvn, t, G[:, :, c], beta[:, :, c], Tm[:, :, c], states[c], dS, scale)
-        dS = torch.exp(GL[:, :, c])[..., None, None] * dS + (scale * eGc * qc).transpose(-1, -2) @ doc - (
-            eGc * kc).transpose(-1, -2) @ t
-    return dq, dk, dv, dg, dbeta, dS
+    # reverse walk: a sequence joins at its last chunk with its final-state gradient
+    dq, dk, dv, dg, dbeta = (torch.empty_like(x) for x in (q, k, v, g, beta))
+    dS_sorted = dS_last.index_select(0, order)
+    dS = dS_sorted[:0]
+    for c in reversed(range(len(layout.active))):
+        walking, r = layout.active[c], layout.rows(c)
+        dS = torch.cat([dS, dS_sorted[dS.shape[0]:walking]])
+        dvn = P[r].transpose(-1, -2) @ do[r] + k_tail[r] * (k[r] @ dS)
+        t = Ag[r].transpose(-1, -2) @ dvn
+        dv[r] = t
+        dq[r], dk[r], dbeta[r], dg[r] = chunk_gradients(q[r], k[r], do[r], vres[r], dvn, t, G[r], beta[r], Tm[r],
+                                                        states[r], dS, scale)
+        dS = GL[r] * dS + (scale * eG[r] * q[r]).transpose(-1, -2) @ do[r] - (eG[r] * k[r]).transpose(-1, -2) @ t
+    dh0 = torch.cat([dS, dS_sorted[dS.shape[0]:]]).index_select(0, torch.argsort(order))
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 def chunk_gated_delta_rule_bwd_reference(q, k, v, g, beta, do, scale=None, initial_state=None, dht=None,
@@ -125,16 +130,15 @@ def chunk_gated_delta_rule_bwd_reference(q, k, v, g, beta, do, scale=None, initi
     scale = K**-0.5 if scale is None else scale
     dtype = compute_dtype(q, k, v)
     bounds = sequence_bounds(B, T, cu_seqlens)
-    index, _ = padded_chunk_index(bounds, T, B * T, chunk_size, q.device)
-    chunks = [_to_chunks(x, index, chunk_size, dtype)
-              for x in (expand_qk_heads(q, HV), expand_qk_heads(k, HV), v, g, beta, do)]
+    layout = ChunkLayout.build(bounds, T, B * T, chunk_size, q.device)
+    chunks = [layout.gather(x, dtype) for x in (expand_qk_heads(q, HV), expand_qk_heads(k, HV), v, g, beta, do)]
     N = len(bounds)
     S0 = torch.zeros(N, HV, K, V, dtype=dtype, device=q.device) if initial_state is None else initial_state.to(dtype)
     dS_last = torch.zeros_like(S0) if dht is None else dht.to(dtype)
-    dq, dk, dv, dg, dbeta, dh0 = _chunk_backward(*chunks[:5], scale, S0, chunks[5], dS_last)
+    dq, dk, dv, dg, dbeta, dh0 = _chunk_backward(*chunks[:5], scale, S0, chunks[5], dS_last, layout)
 
     def tokens(x, like):
-        return _from_chunks(x, index, B * T).reshape(B, T, *x.shape[1:2], *x.shape[4:]).to(like.dtype)
+        return layout.scatter(x).reshape(B, T, *x.shape[1:2], *x.shape[3:]).to(like.dtype)
 
     grp = HV // H
     dq, dk = (tokens(x, q).unflatten(2, (H, grp)).sum(3) for x in (dq, dk))  # v-heads -> their qk-head

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..constants import CHUNK
-from .shapes import expand_qk_heads, l2norm, padded_chunk_index, sequence_bounds
+from .shapes import ChunkLayout, expand_qk_heads, l2norm, sequence_bounds
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -35,12 +35,13 @@ def _decay_diff(G: torch.Tensor, include_diagonal: bool) -> torch.Tensor:
     return torch.exp(diff.masked_fill(~mask, float("-inf")))
 
 
-def chunk_scan(q, k, v, g, beta, scale, initial_state, with_transition=False):
-    """Core scan on chunk-aligned sequences.
+def chunk_scan(q, k, v, g, beta, scale, initial_state, layout: ChunkLayout, with_transition=False):
+    """Core scan on the chunks of a `ChunkLayout`.
 
-    q, k: [N, HV, NT, C, K]; v: [N, HV, NT, C, V]; g, beta: [N, HV, NT, C];
-    initial_state [N, HV, K, V] (compute dtype). Returns (o [N, HV, NT, C, V], final state,
-    transition M [N, HV, K, K] or None) where final = M initial + (final with zero start).
+    q, k: [NC, HV, C, K]; v: [NC, HV, C, V]; g, beta: [NC, HV, C]; initial_state [N, HV, K, V]
+    (compute dtype, sequences in their own order). Returns (o [NC, HV, C, V], final states
+    [N, HV, K, V], transitions M [N, HV, K, K] or None) where final = M initial + (final from a
+    zero start). The walk carries only the sequences still walking: work in proportion to NC.
     """
     G = g.cumsum(-1)
     kb = k * beta[..., None]
@@ -52,41 +53,32 @@ def chunk_scan(q, k, v, g, beta, scale, initial_state, with_transition=False):
     attn = (q @ k.transpose(-1, -2)) * _decay_diff(G, include_diagonal=True)
     q_dec = q * torch.exp(G)[..., None]
     k_dec = k * torch.exp(G[..., -1:] - G)[..., None]
-    chunk_decay = torch.exp(G[..., -1])  # [N, HV, NT]
+    chunk_decay = torch.exp(G[..., -1])[..., None, None]  # [NC, HV, 1, 1]
 
-    S = initial_state
-    M = None
-    if with_transition:
-        K = k.shape[-1]
-        M = torch.eye(K, dtype=S.dtype, device=S.device).expand(*S.shape[:2], K, K)
-    outputs = []
-    for c in range(q.shape[2]):
-        v_new = u[:, :, c] - w[:, :, c] @ S
-        outputs.append(scale * (q_dec[:, :, c] @ S + attn[:, :, c] @ v_new))
-        decay = chunk_decay[:, :, c, None, None]
-        S = decay * S + k_dec[:, :, c].transpose(-1, -2) @ v_new
+    order = torch.tensor(layout.order, dtype=torch.long, device=initial_state.device)
+    S = initial_state.index_select(0, order)  # the sequences longest first
+    K = k.shape[-1]
+    M = torch.eye(K, dtype=S.dtype, device=S.device).expand(*S.shape[:2], K, K) if with_transition else None
+    finals, transitions, outputs = [], [], []
+    for c, walking in enumerate(layout.active):
+        if walking < S.shape[0]:  # the shortest sequences are done: their states are final
+            finals.append(S[walking:])
+            S = S[:walking]
+            if with_transition:
+                transitions.append(M[walking:])
+                M = M[:walking]
+        r = layout.rows(c)
+        v_new = u[r] - w[r] @ S
+        outputs.append(scale * (q_dec[r] @ S + attn[r] @ v_new))
+        S = chunk_decay[r] * S + k_dec[r].transpose(-1, -2) @ v_new
         if with_transition:
-            M = decay * M - k_dec[:, :, c].transpose(-1, -2) @ (w[:, :, c] @ M)
-    return torch.stack(outputs, dim=2), S, M
-
-
-def _to_chunks(x: torch.Tensor, index: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, T, HV, ...] -> [N, HV, NT, C, ...] gathered through the padded token index."""
-    flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).to(dtype)
-    flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
-    gathered = flat[index]  # [N, Tp, HV, ...]
-    N, Tp = index.shape
-    gathered = gathered.reshape(N, Tp // chunk_size, chunk_size, *gathered.shape[2:])
-    # move the head axis in front of the chunk axes
-    return gathered.movedim(3, 1)
-
-
-def _from_chunks(x: torch.Tensor, index: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[N, HV, NT, C, ...] -> [num_tokens, HV, ...]: the padded tokens dropped (`_to_chunks`' inverse)."""
-    N = x.shape[0]
-    padded = x.movedim(1, 3).reshape(N, -1, *x.shape[1:2], *x.shape[4:])
-    valid = index < num_tokens
-    return padded.new_zeros(num_tokens, *padded.shape[2:]).index_put((index[valid],), padded[valid])
+            M = chunk_decay[r] * M - k_dec[r].transpose(-1, -2) @ (w[r] @ M)
+    unsort = torch.argsort(order)
+    final = torch.cat([S, *reversed(finals)]).index_select(0, unsort)
+    if with_transition:
+        M = torch.cat([M, *reversed(transitions)]).index_select(0, unsort)
+    o = torch.cat(outputs) if outputs else v.new_zeros(v.shape)
+    return o, final, M
 
 
 def chunk_gated_delta_rule_torch(
@@ -119,22 +111,18 @@ def chunk_gated_delta_rule_torch(
         q, k = l2norm(q), l2norm(k)
     dtype = compute_dtype(q, k, v)
     bounds = sequence_bounds(B, T, cu_seqlens)
-    index, _ = padded_chunk_index(bounds, T, B * T, chunk_size, q.device)
-
-    qc = _to_chunks(expand_qk_heads(q, HV), index, chunk_size, dtype)
-    kc = _to_chunks(expand_qk_heads(k, HV), index, chunk_size, dtype)
-    vc = _to_chunks(v, index, chunk_size, dtype)
-    gc = _to_chunks(g, index, chunk_size, dtype)
-    bc = _to_chunks(beta, index, chunk_size, dtype)
+    layout = ChunkLayout.build(bounds, T, B * T, chunk_size, q.device)
+    qc, kc = layout.gather(expand_qk_heads(q, HV), dtype), layout.gather(expand_qk_heads(k, HV), dtype)
+    vc, gc, bc = (layout.gather(x, dtype) for x in (v, g, beta))
 
     if initial_state is None:
         S0 = torch.zeros(len(bounds), HV, K, V, dtype=dtype, device=q.device)
     else:
         S0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
         S0 = S0.to(dtype)
-    o_chunks, S, M = chunk_scan(qc, kc, vc, gc, bc, scale, S0, with_transition=return_transition)
+    o_chunks, S, M = chunk_scan(qc, kc, vc, gc, bc, scale, S0, layout, with_transition=return_transition)
 
-    o = _from_chunks(o_chunks, index, B * T).reshape(B, T, HV, V).to(v.dtype)
+    o = layout.scatter(o_chunks).reshape(B, T, HV, V).to(v.dtype)
 
     final_state = None
     if output_final_state:

@@ -4,7 +4,8 @@ torch chunked forward, in float64: the per-chunk formulas the TileLang backward 
 import pytest
 import torch
 
-from flash_qla_cp.reference import chunk_gated_delta_rule_bwd_reference, chunk_gated_delta_rule_torch
+from flash_qla_cp.reference import (chunk_gated_delta_rule_bwd_reference, chunk_gated_delta_rule_torch,
+                                    naive_recurrent_gated_delta_rule)
 from flash_qla_cp.testing import make_gdn_inputs, random_cu_seqlens, rel_err
 
 NAMES = ("q", "k", "v", "g", "beta")
@@ -44,3 +45,42 @@ def test_hand_written_backward_matches_autograd(batch, lengths, heads, v_heads, 
         assert rel_err(got[5], h0_leaf.grad) < 1e-10
     else:
         assert got[5] is None
+
+
+def test_chunk_layout_packs_every_chunk_once_without_padding_to_the_longest():
+    """The torch path's cost is the number of chunk rows it walks: one row per chunk of each
+    sequence (sum of ceil(len / 64)), never sequences x longest (one long document packed with
+    many one-token ones used to cost 300 x its length)."""
+    from flash_qla_cp.reference.shapes import ChunkLayout, sequence_bounds
+
+    lengths = [20000] + [1] * 300 + [0, 65]
+    cu = random_cu_seqlens(lengths)
+    layout = ChunkLayout.build(sequence_bounds(1, sum(lengths), cu), sum(lengths), sum(lengths), 64, "cpu")
+    per_seq = [-(-n // 64) for n in lengths]
+    assert layout.num_chunks == sum(per_seq) == 313 + 300 + 2
+    assert [layout.rows(c).stop - layout.rows(c).start for c in range(len(layout.active))] == layout.active
+    assert layout.active[0] == sum(n > 0 for n in lengths) and layout.active[2:] == [1] * (313 - 2)
+    tokens = layout.index[layout.index < sum(lengths)]
+    assert torch.equal(tokens.sort().values, torch.arange(sum(lengths)))  # every token exactly once
+
+
+def test_skewed_packing_matches_the_recurrence_forward_and_backward():
+    lengths = [300, 0, 1, 1, 1, 64, 1, 129]
+    cu = random_cu_seqlens(lengths)
+    gen = torch.Generator().manual_seed(5)
+    x = make_gdn_inputs(seq_len=sum(lengths), num_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, generator=gen)
+    h0 = torch.randn(len(lengths), 2, 8, 8, generator=gen, dtype=torch.float64)
+    do = torch.randn(1, sum(lengths), 2, 8, generator=gen, dtype=torch.float64)
+    dht = torch.randn(len(lengths), 2, 8, 8, generator=gen, dtype=torch.float64)
+    grads = []
+    for fn in (chunk_gated_delta_rule_torch, naive_recurrent_gated_delta_rule):
+        xs = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+        h = h0.clone().requires_grad_(True)
+        o, s = fn(**xs, initial_state=h, output_final_state=True, cu_seqlens=cu)
+        ((o * do).sum() + (s * dht).sum()).backward()
+        grads.append([o, s] + [xs[n].grad for n in ("q", "k", "v", "g", "beta")] + [h.grad])
+    for a, b in zip(*grads):
+        assert rel_err(a, b) < 1e-10
+    hand = chunk_gated_delta_rule_bwd_reference(**x, do=do, initial_state=h0, dht=dht, cu_seqlens=cu)
+    for a, b in zip(hand, grads[1][2:]):
+        assert rel_err(a, b) < 1e-10
