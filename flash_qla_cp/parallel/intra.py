@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..constants import CHUNK
-from ..reference.chunked import compute_dtype
+from ..reference.chunked import GATE_FLOOR, compute_dtype
 from .cost_model import plan_partitions, sm_count
 from .transition import segment_transitions
 
@@ -76,7 +76,7 @@ def build_plan(cu_edges, g, num_heads, intra_cp="auto", exact=True, threshold=-1
     if starts and not exact:
         lo = torch.tensor([max(cu_edges[n], s - window * chunk) for n, s, e in cuts if s != cu_edges[n]])
         hi = torch.tensor(starts)
-        g64 = g[0].to(torch.float64)
+        g64 = g[0].to(torch.float64).clamp(min=GATE_FLOOR)  # a -inf gate (a reset) counts as a strong decay
         csum = torch.cat([g64.new_zeros(1, g64.shape[-1]), g64.cumsum(0)])
         decay = csum[hi.to(g.device)] - csum[lo.to(g.device)]  # [cuts, HV]
         full = (hi - lo == window * chunk).to(g.device)

@@ -11,20 +11,21 @@ from __future__ import annotations
 import torch
 
 from ..constants import CHUNK
-from ..reference.chunked import _decay_diff, compute_dtype
+from ..reference.chunked import _decay_diff, chunk_cumsum, compute_dtype, decay
 from ..reference.shapes import expand_qk_heads
 
 
 def _chunk_maps(k, v, g, beta, with_h: bool):
     """Per-chunk (M_c [.., K, K], h_c [.., K, V] or None) from chunked k, v, g, beta."""
-    G = g.cumsum(-1)
+    dt = k.dtype
+    G = chunk_cumsum(g)
     kb = k * beta[..., None]
-    A = (kb @ k.transpose(-1, -2)) * _decay_diff(G, include_diagonal=False)
+    A = (kb @ k.transpose(-1, -2)) * _decay_diff(G, False, dt)
     lhs = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device) + A
-    w = torch.linalg.solve_triangular(lhs, kb * torch.exp(G)[..., None], upper=False, unitriangular=True)
-    k_dec = (k * torch.exp(G[..., -1:] - G)[..., None]).transpose(-1, -2)  # [.., K, C]
+    w = torch.linalg.solve_triangular(lhs, kb * decay(G, dt)[..., None], upper=False, unitriangular=True)
+    k_dec = (k * decay(G[..., -1:] - G, dt)[..., None]).transpose(-1, -2)  # [.., K, C]
     eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
-    M = torch.exp(G[..., -1])[..., None, None] * eye - k_dec @ w
+    M = decay(G[..., -1], dt)[..., None, None] * eye - k_dec @ w
     h = None
     if with_h:
         u = torch.linalg.solve_triangular(lhs, v * beta[..., None], upper=False, unitriangular=True)

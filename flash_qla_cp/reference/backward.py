@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..constants import CHUNK
-from .chunked import _decay_diff, compute_dtype
+from .chunked import GATE_FLOOR, _decay_diff, chunk_cumsum, compute_dtype, decay
 from .shapes import ChunkLayout, expand_qk_heads, sequence_bounds
 
 
@@ -40,7 +40,7 @@ def ut_inverse(k, G, beta):
     C = k.shape[-2]
     eye = torch.eye(C, dtype=k.dtype, device=k.device)
     kk = k @ k.transpose(-1, -2)
-    return torch.linalg.solve_triangular(eye + beta[..., :, None] * kk * _decay_diff(G, include_diagonal=False),
+    return torch.linalg.solve_triangular(eye + beta[..., :, None] * kk * _decay_diff(G, False, k.dtype),
                                          eye.expand_as(kk), upper=False, unitriangular=True)
 
 
@@ -49,13 +49,13 @@ def chunk_gradients(q, k, do, vres, dvn, t, G, beta, Tm, S, dS, scale):
     each chunk's vres, dvn, t = Ag^T dvn, G (chunk-local cumulative gate), Tm (`ut_inverse`), the
     state S entering it and the gradient dS' of the state leaving it [..., K, V]. No recurrence:
     any batch of chunks at once (the reverse walk below takes one step's chunks at a time)."""
-    C = q.shape[-2]
+    C, dt = q.shape[-2], q.dtype
     GL = G[..., -1]
-    gam_incl = _decay_diff(G, include_diagonal=True)
-    gam_strict = _decay_diff(G, include_diagonal=False)
+    gam_incl = _decay_diff(G, True, dt)
+    gam_strict = _decay_diff(G, False, dt)
     kk = k @ k.transpose(-1, -2)
-    eG = torch.exp(G)[..., None]
-    tail = torch.exp(GL[..., None] - G)[..., None]  # exp(GL - G) per row
+    eG = decay(G, dt)[..., None]
+    tail = decay(GL[..., None] - G, dt)[..., None]  # exp(GL - G) per row
     v_new = (Tm * beta[..., None, :]) @ vres
 
     dAg = (dvn @ vres.transpose(-1, -2)) * torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
@@ -74,7 +74,7 @@ def chunk_gradients(q, k, do, vres, dvn, t, G, beta, Tm, S, dS, scale):
     YP, YA = Pm * qk, X * kk
     dG = (YP.sum(-1) - YP.sum(-2) + YA.sum(-1) - YA.sum(-2) + (q_term * q).sum(-1) + (w_term * k).sum(-1)
           - (s_term * k).sum(-1))
-    dG[..., -1] += torch.exp(GL) * (S * dS).sum((-1, -2)) + (s_term * k).sum((-1, -2))
+    dG[..., -1] += decay(GL, dt) * (S * dS).sum((-1, -2)) + (s_term * k).sum((-1, -2))
     return dq, dk, dbeta, dG.flip(-1).cumsum(-1).flip(-1)
 
 
@@ -82,13 +82,14 @@ def _chunk_backward(q, k, v, g, beta, scale, S0, do, dS_last, layout: ChunkLayou
     """Gradients on the chunks of a `ChunkLayout` ([NC, HV, C, ...], see `chunk_scan`); S0 and
     dS_last [N, HV, K, V] in the sequences' own order. Both walks carry only the sequences still
     walking: work in proportion to NC."""
-    G = g.cumsum(-1)
-    GL = torch.exp(G[..., -1])[..., None, None]  # each chunk's decay exp(G_L)
+    dt = q.dtype
+    G = chunk_cumsum(g)
+    GL = decay(G[..., -1], dt)[..., None, None]  # each chunk's decay exp(G_L)
     Tm = ut_inverse(k, G, beta)
     Ag = Tm * beta[..., None, :]
-    eG = torch.exp(G)[..., None]
-    k_tail = torch.exp(G[..., -1:] - G)[..., None]  # exp(GL - G) per row
-    P = scale * (q @ k.transpose(-1, -2)) * _decay_diff(G, include_diagonal=True)
+    eG = decay(G, dt)[..., None]
+    k_tail = decay(G[..., -1:] - G, dt)[..., None]  # exp(GL - G) per row
+    P = scale * (q @ k.transpose(-1, -2)) * _decay_diff(G, True, dt)
     order = torch.tensor(layout.order, dtype=torch.long, device=S0.device)
 
     # forward walk: the state entering every chunk, and vres
@@ -115,6 +116,7 @@ def _chunk_backward(q, k, v, g, beta, scale, S0, do, dS_last, layout: ChunkLayou
                                                         states[r], dS, scale)
         dS = GL[r] * dS + (scale * eG[r] * q[r]).transpose(-1, -2) @ do[r] - (eG[r] * k[r]).transpose(-1, -2) @ t
     dh0 = torch.cat([dS, dS_sorted[dS.shape[0]:]]).index_select(0, torch.argsort(order))
+    dg = torch.where(g >= GATE_FLOOR, dg, 0.0)  # floored gates: their state factor is 0 whatever they are
     return dq, dk, dv, dg, dbeta, dh0
 
 

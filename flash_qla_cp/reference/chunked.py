@@ -4,7 +4,8 @@ This is the CPU path of the library and the reference for the TileLang kernels. 
 differentiable through autograd, handles varlen (cu_seqlens), GVA, initial/final states
 and any float dtype: half inputs are computed in fp32, float64 stays float64.
 
-Per chunk of length C, with G = cumsum(g) inside the chunk and S the incoming state:
+Per chunk of length C, with G = cumsum(g) inside the chunk (in float64, gates floored at
+GATE_FLOOR) and S the incoming state:
     A_ij   = beta_i (k_i . k_j) exp(G_i - G_j)          for i > j   (strictly lower)
     Tm     = (I + A)^-1
     w      = Tm (beta exp(G) k),     u = Tm (beta v)
@@ -27,12 +28,29 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _decay_diff(G: torch.Tensor, include_diagonal: bool) -> torch.Tensor:
-    """exp(G_i - G_j) on the causal triangle, exactly 0 above it (no inf * 0)."""
+# Gates below this count as this: exp(-700) ~ 1e-304 is zero at either precision, so a gate of -inf
+# (a hard reset) or -1e30 clears the state as the recurrence does, and a chunk's cumulative gate
+# stays within 64 x 700, where float64 still resolves the small gates that follow it (to ~1e-11;
+# a cumulative sum through -1e9 would absorb them).
+GATE_FLOOR = -700.0
+
+
+def chunk_cumsum(g: torch.Tensor) -> torch.Tensor:
+    """G, the chunk-local inclusive cumulative gate [..., C], in float64, gates floored at GATE_FLOOR."""
+    return g.to(torch.float64).clamp(min=GATE_FLOOR).cumsum(-1)
+
+
+def decay(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """exp(x) of float64 gate sums, in the compute dtype."""
+    return torch.exp(x).to(dtype)
+
+
+def _decay_diff(G: torch.Tensor, include_diagonal: bool, dtype: torch.dtype) -> torch.Tensor:
+    """exp(G_i - G_j) on the causal triangle, exactly 0 above it (no inf * 0), in `dtype`."""
     C = G.shape[-1]
     mask = torch.ones(C, C, dtype=torch.bool, device=G.device).tril(0 if include_diagonal else -1)
     diff = G[..., :, None] - G[..., None, :]
-    return torch.exp(diff.masked_fill(~mask, float("-inf")))
+    return decay(diff.masked_fill(~mask, float("-inf")), dtype)
 
 
 def chunk_scan(q, k, v, g, beta, scale, initial_state, layout: ChunkLayout, with_transition=False):
@@ -43,17 +61,18 @@ def chunk_scan(q, k, v, g, beta, scale, initial_state, layout: ChunkLayout, with
     [N, HV, K, V], transitions M [N, HV, K, K] or None) where final = M initial + (final from a
     zero start). The walk carries only the sequences still walking: work in proportion to NC.
     """
-    G = g.cumsum(-1)
+    dt = q.dtype
+    G = chunk_cumsum(g)
     kb = k * beta[..., None]
-    A = (kb @ k.transpose(-1, -2)) * _decay_diff(G, include_diagonal=False)
+    A = (kb @ k.transpose(-1, -2)) * _decay_diff(G, False, dt)
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     lhs = eye + A
-    w = torch.linalg.solve_triangular(lhs, kb * torch.exp(G)[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(lhs, kb * decay(G, dt)[..., None], upper=False, unitriangular=True)
     u = torch.linalg.solve_triangular(lhs, v * beta[..., None], upper=False, unitriangular=True)
-    attn = (q @ k.transpose(-1, -2)) * _decay_diff(G, include_diagonal=True)
-    q_dec = q * torch.exp(G)[..., None]
-    k_dec = k * torch.exp(G[..., -1:] - G)[..., None]
-    chunk_decay = torch.exp(G[..., -1])[..., None, None]  # [NC, HV, 1, 1]
+    attn = (q @ k.transpose(-1, -2)) * _decay_diff(G, True, dt)
+    q_dec = q * decay(G, dt)[..., None]
+    k_dec = k * decay(G[..., -1:] - G, dt)[..., None]
+    chunk_decay = decay(G[..., -1], dt)[..., None, None]  # [NC, HV, 1, 1]
 
     order = torch.tensor(layout.order, dtype=torch.long, device=initial_state.device)
     S = initial_state.index_select(0, order)  # the sequences longest first

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from flash_qla_cp import chunk_gated_delta_rule
 from flash_qla_cp.reference import chunk_gated_delta_rule_torch, naive_recurrent_gated_delta_rule
 from flash_qla_cp.testing import make_gdn_inputs, random_cu_seqlens, rel_err
 
@@ -96,3 +97,80 @@ def test_half_inputs_match_float64_within_bf16_tolerance():
     o, s = chunk_gated_delta_rule_torch(**xb, output_final_state=True)
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
     assert rel_err(o, o_ref) < 5e-3 and rel_err(s, s_ref) < 5e-3
+
+
+EXTREME = {"reset": float("-inf"), "-1e30": -1e30, "-1e9": -1e9, "-700": -700.0, "-50": -50.0}
+
+
+def _extreme_case(value, dtype, seed=0):
+    """Packed sequences whose gates take `value` at a few tokens (two in one chunk, one at a
+    chunk's first token, one in a 1-token sequence), the usual gates elsewhere."""
+    lengths = [150, 1, 70]
+    gen = torch.Generator().manual_seed(seed)
+    x = make_gdn_inputs(seq_len=sum(lengths), num_heads=1, num_v_heads=3, head_k_dim=8, head_v_dim=8,
+                        generator=gen)
+    g = x["g"].clone()
+    for t, h in ((10, 0), (11, 0), (64, 1), (130, 2), (150, 0), (200, 1)):
+        g[0, t, h] = value
+    x = {n: t.to(dtype) for n, t in dict(x, g=g).items()}
+    h0 = torch.randn(3, 3, 8, 8, generator=gen, dtype=torch.float64).to(dtype)
+    return x, h0, random_cu_seqlens(lengths)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("name", list(EXTREME))
+def test_extreme_gates_match_the_recurrence(name, dtype, tol):
+    """g = -inf resets the state exactly (exp(g) = 0), and very negative finite gates decay as
+    they should: no NaN, outputs and gradients as the token recurrence gives them."""
+    x, h0, cu = _extreme_case(EXTREME[name], dtype)
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(1, x["v"].shape[1], 3, 8, generator=gen, dtype=torch.float64).to(dtype)
+    dht = torch.randn(3, 3, 8, 8, generator=gen, dtype=torch.float64).to(dtype)
+    results = []
+    for fn in (chunk_gated_delta_rule, naive_recurrent_gated_delta_rule):
+        xs = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+        h = h0.clone().requires_grad_(True)
+        o, s = fn(**xs, initial_state=h, output_final_state=True, cu_seqlens=cu)
+        ((o * do).sum() + (s * dht).sum()).backward()
+        results.append([o, s] + [xs[n].grad for n in ("q", "k", "v", "g", "beta")] + [h.grad])
+    for what, ours, ref in zip(("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *results):
+        assert torch.isfinite(ours).all(), what
+        assert rel_err(ours, ref) < tol, (what, rel_err(ours, ref))
+
+
+def test_a_reset_leaves_earlier_outputs_as_they_were():
+    x, h0, cu = _extreme_case(float("-inf"), torch.float64)
+    o_reset, _ = chunk_gated_delta_rule(**x, initial_state=h0, cu_seqlens=cu)
+    plain = torch.where(torch.isinf(x["g"]), -1.0, x["g"])
+    o_plain, _ = chunk_gated_delta_rule(**dict(x, g=plain), initial_state=h0, cu_seqlens=cu)
+    assert rel_err(o_reset[:, :10], o_plain[:, :10]) < 1e-14  # tokens before the first reset
+    after = chunk_gated_delta_rule(**{n: t[:, 11:150] for n, t in x.items()})[0][:, 0, 0]
+    assert rel_err(o_reset[:, 11, 0], after) < 1e-12  # head 0 at token 11 starts from zero
+
+
+@pytest.mark.parametrize("intra_cp", [3, "off"])
+def test_resets_under_the_torch_split(intra_cp):
+    from flash_qla_cp import CPContext
+
+    x, h0, cu = _extreme_case(float("-inf"), torch.float64, seed=2)
+    want = naive_recurrent_gated_delta_rule(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    for exact in (True, False):
+        cp = CPContext.single(cu, intra_cp=intra_cp, intra_exact=exact)
+        got = chunk_gated_delta_rule(**x, initial_state=h0, output_final_state=True, cp_context=cp)
+        for a, b in zip(got, want):
+            assert torch.isfinite(a).all() and rel_err(a, b) < 1e-10
+
+
+def test_positive_and_nan_gates_are_computed_as_written():
+    """g > 0 is the recurrence as written (the state grows); a NaN gate makes its head's outputs
+    NaN from its 64-token chunk on (the op does not inspect the values: that would cost a host
+    sync)."""
+    x, h0, cu = _extreme_case(0.3, torch.float64)
+    got = chunk_gated_delta_rule(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    want = naive_recurrent_gated_delta_rule(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert all(rel_err(a, b) < 1e-10 for a, b in zip(got, want))
+    g = x["g"].clone()
+    g[0, 100, 1] = float("nan")  # in the first sequence's second chunk (tokens 64-127)
+    o, _ = chunk_gated_delta_rule(**dict(x, g=g), initial_state=h0, cu_seqlens=cu)
+    assert torch.isfinite(o[0, :64]).all() and torch.isnan(o[0, 100:150, 1]).all()
+    assert torch.isfinite(o[0, :, 0]).all() and torch.isfinite(o[0, 150:]).all()
