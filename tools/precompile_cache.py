@@ -58,7 +58,8 @@ def bench_shape_specs(names, sms=132):
         found.setdefault(spec, None)
         return lambda *args: None  # a launch that does nothing: outputs stay as allocated
 
-    with mock.patch.object(runtime, "compile_kernel", record), mock.patch.object(runtime, "sm_count", lambda d: sms):
+    with mock.patch.object(runtime, "compile_kernel", record), mock.patch.object(runtime, "compile_plan", lambda p: None), \
+            mock.patch.object(runtime, "sm_count", lambda d: sms):
         for name in names:
             B, T, H, HV, K, V, nseq = SHAPES[name]
             if nseq:

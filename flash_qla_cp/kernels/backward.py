@@ -201,6 +201,7 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
     states_saved = h_st is not None and vres is not None and h_st.dtype == dt and vres.dtype == dt
     plan = plan_backward(H, HV, K, V, dt, float(scale), user_h0, use_dht, N, sms,
                          len(split_saved.first_parts) if split_saved is not None else 0, states_saved, options)
+    runtime.compile_plan(plan)  # first use: every kernel of the call at once, in parallel
 
     gcum = _saved_tensor(saved.g_cumsum, (1, Ttot, HV)) if saved is not None else None
     ag = _saved_tensor(saved.Ag, (1, Ttot, HV, CHUNK)) if saved is not None else None

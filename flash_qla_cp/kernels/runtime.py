@@ -7,6 +7,8 @@ tests record launches instead of running them, and where a GPU run logs the kern
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import threading
@@ -115,39 +117,65 @@ class DirectLaunch:
 
 _compile_lock = threading.Lock()
 _launchers: dict = {}
+_ready_plans: set = set()
+
+
+@contextlib.contextmanager
+def _compiling():
+    """Held while this process compiles: a thread lock, and a file lock in TileLang's kernel
+    cache directory, so that ranks starting together compile each kernel once; the others wait,
+    then load it from the disk cache (TileLang's cache, TILELANG_CACHE_DIR, ~/.tilelang/cache by
+    default)."""
+    from tilelang import env
+
+    os.makedirs(env.TILELANG_CACHE_DIR, exist_ok=True)
+    with _compile_lock, open(os.path.join(env.TILELANG_CACHE_DIR, "flash_qla_cp.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def compile_kernel(spec: KernelSpec) -> DirectLaunch:
-    """The launcher of `spec`, compiled on first use and reused after.
+    """The launcher of `spec`, compiled (or loaded from the disk cache) on first use.
 
     Dynamic sizes (token count, number of chunks, number of sequences) are symbolic inside the
     kernels, so they do not trigger recompilation."""
     launcher = _launchers.get(spec)
     if launcher is None:
-        with _compile_lock:
-            launcher = _launchers.get(spec)
-            if launcher is None:
-                tilelang, _ = import_tilelang()
-                kernel = tilelang.compile(spec.build(), target="cuda", pass_configs=default_pass_configs())
-                launcher = _launchers[spec] = DirectLaunch(kernel)
-                _log_kernel(spec)
+        precompile([spec], num_workers=1)
+        launcher = _launchers[spec]
     return launcher
 
 
 def precompile(specs, num_workers: int = 8) -> int:
     """Compile many specs in parallel (tilelang.par_compile) into the cache; returns how many
-    were compiled (those already cached are skipped)."""
+    were compiled or loaded (those already in this process are skipped)."""
     todo = list(dict.fromkeys(s for s in specs if s not in _launchers))
     if not todo:
         return 0
     tilelang, _ = import_tilelang()
-    kernels = tilelang.par_compile([s.build() for s in todo], target="cuda", pass_configs=default_pass_configs(),
-                                   num_workers=num_workers)
-    with _compile_lock:
+    with _compiling():
+        todo = [s for s in todo if s not in _launchers]  # (another thread may have built them)
+        if len(todo) == 1:
+            kernels = [tilelang.compile(todo[0].build(), target="cuda", pass_configs=default_pass_configs())]
+        else:
+            kernels = tilelang.par_compile([s.build() for s in todo], target="cuda",
+                                           pass_configs=default_pass_configs(), num_workers=num_workers)
         for spec, kernel in zip(todo, kernels):
-            _launchers.setdefault(spec, DirectLaunch(kernel))
+            _launchers[spec] = DirectLaunch(kernel)
             _log_kernel(spec)
     return len(todo)
+
+
+def compile_plan(plan) -> None:
+    """Every kernel of a plan (`forward.ForwardPlan`, `backward.BackwardPlan`) compiled at once
+    on its first use, in parallel, instead of one after another as the launches reach them;
+    after that a set lookup per call."""
+    if plan not in _ready_plans:
+        precompile(plan.specs(), num_workers=min(8, os.cpu_count() or 1))
+        _ready_plans.add(plan)
 
 
 def kernel_operand(t: torch.Tensor) -> torch.Tensor:

@@ -25,10 +25,13 @@ class Launches:
     """Stands in for runtime.compile_kernel: each launch is recorded as (spec, args)."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.plans = [], []
 
     def compile_kernel(self, spec):
         return lambda *args: self.calls.append((spec, args))
+
+    def compile_plan(self, plan):
+        self.plans.append(plan)
 
     def names(self):
         return [spec.name for spec, _ in self.calls]
@@ -42,6 +45,7 @@ def run_recorded(fn):
     kernels recorded (the first builds the split plan's cached index tensors)."""
     launches = Launches()
     with mock.patch.object(runtime, "compile_kernel", launches.compile_kernel), \
+            mock.patch.object(runtime, "compile_plan", launches.compile_plan), \
             mock.patch.object(runtime, "sm_count", lambda device: SMS):
         fn()
         launches.calls.clear()

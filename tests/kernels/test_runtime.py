@@ -93,3 +93,91 @@ def test_launcher_calls_the_compiled_module_entry_once_looked_up():
     fresh = runtime.DirectLaunch(Kernel(Executable()))  # as compiled in this process
     fresh("c")
     assert entry_calls[-1] == ("c",)
+
+
+class _FakeKernel:
+    adapter = None
+
+
+def test_a_plan_compiles_all_its_kernels_at_once_on_first_use(monkeypatch, tmp_path):
+    """compile_plan: one parallel compile of every kernel the plan names, then nothing."""
+    tilelang = pytest.importorskip("tilelang")
+    from flash_qla_cp.kernels.backward import plan_backward
+
+    monkeypatch.setattr(tilelang.env, "TILELANG_CACHE_DIR", str(tmp_path))
+    batches = []
+    monkeypatch.setattr(tilelang, "par_compile", lambda funcs, **kw: batches.append(len(funcs)) or
+                        [_FakeKernel() for _ in funcs])
+    monkeypatch.setattr(KernelSpec, "build", lambda self: self.name)  # no lowering needed here
+    monkeypatch.setattr(runtime, "_launchers", {})
+    monkeypatch.setattr(runtime, "_ready_plans", set())
+    plan = plan_backward(2, 4, 128, 128, "bfloat16", 0.1, True, True, 1, 132)
+    runtime.compile_plan(plan)
+    runtime.compile_plan(plan)
+    assert batches == [len(plan.specs())] and len(plan.specs()) >= 3
+    assert all(spec in runtime._launchers for spec in plan.specs())
+    assert (tmp_path / "flash_qla_cp.lock").exists()
+
+
+def _compile_in_a_process(cache_dir, log, name):
+    """A process that compiles one kernel (a stand-in that takes a second), noting when."""
+    import time
+
+    import tilelang
+
+    from flash_qla_cp.kernels import runtime as rt
+    from flash_qla_cp.kernels.runtime import KernelSpec as Spec
+
+    tilelang.env.TILELANG_CACHE_DIR = cache_dir
+
+    def slow_compile(func, **kw):
+        with open(log, "a") as f:
+            f.write(f"{name} start {time.time()}\n")
+        time.sleep(1.0)
+        with open(log, "a") as f:
+            f.write(f"{name} end {time.time()}\n")
+        return _FakeKernel()
+
+    tilelang.compile = slow_compile
+    Spec.build = lambda self: self.name
+    rt.compile_kernel(Spec.of(build_prepare_kernel, H=1, HV=1, K=64, dtype="bfloat16", is_varlen=False))
+
+
+def test_processes_compiling_together_take_turns(tmp_path):
+    """Ranks that start together compile one at a time (a file lock in the kernel cache): the
+    second then finds the first's kernel in TileLang's disk cache instead of building it too."""
+    pytest.importorskip("tilelang")
+    import multiprocessing
+
+    log = tmp_path / "log"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_compile_in_a_process, args=(str(tmp_path), str(log), n)) for n in "ab"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    events = sorted((float(t), who, what) for who, what, t in (line.split() for line in log.read_text().splitlines()))
+    assert [what for _, _, what in events] == ["start", "end", "start", "end"]
+    assert events[0][1] == events[1][1] and events[2][1] == events[3][1]
+
+
+def test_precompile_lists_every_kernel_the_benchmark_calls_launch():
+    """`python -m flash_qla_cp.precompile` enumerates the plans; the kernels real calls launch
+    (recorded on the CPU for the benchmark's shapes: dense, packed, split, fwd+bwd) are among
+    them, so a precompiled cache leaves nothing to compile."""
+    import sys
+
+    sys.path.insert(0, str(TOOLS))
+    from precompile_cache import bench_shape_specs
+
+    from flash_qla_cp.precompile import head_config_specs, main
+
+    listed = set(head_config_specs(16, 32, 128, 128, "bfloat16", 132)) | set(head_config_specs(2, 4, 128, 128,
+                                                                                               "bfloat16", 132))
+    launched = bench_shape_specs(["tp1_1x8k", "tp1_4x8k", "tp1_varlen8_32k", "tp8_1x32k", "tp8_1x128k"])
+    missing = [s for s in launched if s not in listed]
+    assert not missing, [(s.name, s.kwargs) for s in missing]
+    assert main(["--heads", "2", "--v-heads", "4", "--head-dim", "64", "--sms", "132", "--list"]) == 0
+    with pytest.raises(SystemExit):
+        main(["--heads", "3", "--v-heads", "4", "--sms", "132", "--list"])

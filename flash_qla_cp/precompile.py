@@ -1,0 +1,95 @@
+"""Compile the TileLang kernels of a model's GDN layers ahead of a job.
+
+    python -m flash_qla_cp.precompile --heads 16 --v-heads 32 --head-dim 128 [--dtype bf16] [--list]
+
+Fills TileLang's kernel cache (TILELANG_CACHE_DIR, ~/.tilelang/cache by default) with every kernel
+the forward and backward plans may choose for that head configuration on this GPU: dense and
+packed batches of any number of sequences, with and without initial / final states, unsplit and
+split by the intra-card CP, kept chunk states or not, the fused or the three-kernel backward.
+Calls then load their kernels from the cache instead of compiling them. `--list` prints the
+kernels without compiling (no GPU needed); `--sms` sets the SM count (default: the GPU's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from .kernels import runtime
+from .kernels.backward import plan_backward
+from .kernels.forward import plan_forward
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+# walks = sequences (or partitions) x 1: the plans' tiles change where a grid starts to fill the GPU
+WALK_COUNTS = tuple(2**i for i in range(13))
+
+
+def head_config_specs(H: int, HV: int, K: int, V: int, dtype: str, sms: int) -> list:
+    """Every KernelSpec the plans choose for these heads on a GPU of `sms` SMs, once each, in the
+    order the plans name them."""
+    scale = K**-0.5
+    specs = {}
+    for walks in WALK_COUNTS:
+        for varlen in (False, True):
+            for use_h0 in (False, True):
+                for final in (False, True):
+                    for save in (False, True):
+                        plans = [plan_forward(H, HV, K, V, dtype, scale, varlen, use_h0, final, False, walks, sms,
+                                              0, save)]
+                        if max(K, V) <= 128 and walks >= 2:  # the split forward (partitions of few sequences)
+                            plans += [plan_forward(H, HV, K, V, dtype, scale, varlen, use_h0, final, False, walks,
+                                                   sms, seqs, save) for seqs in (1, max(1, walks // 8))]
+                        for plan in plans:
+                            specs.update(dict.fromkeys(plan.specs()))
+        for use_h0 in (False, True):
+            for use_dht in (False, True):
+                for saved in (False, True):
+                    plans = [plan_backward(H, HV, K, V, dtype, scale, use_h0, use_dht, walks, sms, 0, saved)]
+                    if max(K, V) <= 128 and walks >= 2:
+                        plans += [plan_backward(H, HV, K, V, dtype, scale, use_h0, use_dht, walks, sms, seqs, saved)
+                                  for seqs in (1, max(1, walks // 8))]
+                    for plan in plans:
+                        specs.update(dict.fromkeys([plan.prepare, *plan.specs()]))
+    return list(specs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flash_qla_cp.precompile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", type=int, required=True, help="q / k heads (H)")
+    ap.add_argument("--v-heads", type=int, default=None, help="v heads (HV, a multiple of H; default H)")
+    ap.add_argument("--head-dim", type=int, default=128, help="K and V, unless --head-k-dim / --head-v-dim")
+    ap.add_argument("--head-k-dim", type=int, default=None)
+    ap.add_argument("--head-v-dim", type=int, default=None)
+    ap.add_argument("--dtype", default="bf16", help="comma-separated: bf16, fp16")
+    ap.add_argument("--sms", type=int, default=None, help="SM count (default: the GPU's)")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--list", action="store_true", help="print the kernels, compile nothing")
+    args = ap.parse_args(argv)
+    H, HV = args.heads, args.v_heads or args.heads
+    K, V = args.head_k_dim or args.head_dim, args.head_v_dim or args.head_dim
+    if H < 1 or HV % H or min(K, V) < 1:
+        ap.error(f"--v-heads ({HV}) must be a positive multiple of --heads ({H}); head dims must be positive")
+    if any(d not in DTYPES for d in args.dtype.split(",")):
+        ap.error(f"--dtype must name {sorted(DTYPES)}, got {args.dtype!r}")
+    if args.sms is None and not torch.cuda.is_available():
+        ap.error("no GPU here: pass --sms (an H200 has 132) to list or compile for one")
+    sms = args.sms or runtime.sm_count(torch.device("cuda"))
+    specs = [s for d in args.dtype.split(",") for s in head_config_specs(H, HV, K, V, DTYPES[d], sms)]
+    if args.list:
+        for spec in specs:
+            print(spec.name, spec.kwargs)
+        print(f"{len(specs)} kernels")
+        return 0
+    start = time.time()
+    for i in range(0, len(specs), args.workers):  # in batches: progress on a long compile
+        runtime.precompile(specs[i : i + args.workers], num_workers=args.workers)
+        print(f"{min(i + args.workers, len(specs))} of {len(specs)} kernels ready, {time.time() - start:.0f} s",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
