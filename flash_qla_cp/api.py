@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 
 from .backends import choose_backend
+from .library_ops import compiled_op
 from .ops import single_device_op
 from .options import KernelOptions
 from .parallel.context import CPContext
 from .parallel.dual import cp_chunk_gated_delta_rule
-from .validation import check_inputs, check_intra_cp, check_tensors
+from .validation import check_inputs, check_intra_cp, check_options, check_tensors
 
 
 def chunk_gated_delta_rule(
@@ -81,6 +82,9 @@ def chunk_gated_delta_rule(
             kernel_options=kernel_options,
         )
     check_intra_cp(intra_cp)
+    if torch.compiler.is_compiling():  # traced: the torch.library custom ops
+        return compiled_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                           use_qk_l2norm_in_kernel, state_v_first, backend, intra_cp, check_options(kernel_options))
     if intra_cp not in ("off", "auto") and choose_backend(backend, q, v) != "tilelang":
         return _torch_intra_split(q, k, v, g, beta, scale, initial_state, output_final_state,
                                   use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, backend, intra_cp)

@@ -18,7 +18,7 @@ from .kernels.forward import tilelang_forward
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .reference.backward import chunk_gated_delta_rule_bwd_reference
 from .reference.chunked import chunk_gated_delta_rule_torch
-from .reference.shapes import l2norm
+from .reference.shapes import l2norm, l2norm_backward
 from .validation import check_inputs, check_intra_cp, check_options, check_scale
 
 
@@ -81,12 +81,8 @@ def _through_l2norm(ctx: GDNContext, backward):
     normalisation."""
     if not ctx.use_qk_l2norm_in_kernel:
         return backward(ctx.q, ctx.k)
-    with torch.enable_grad():
-        q_in, k_in = ctx.q.detach().requires_grad_(True), ctx.k.detach().requires_grad_(True)
-        qn, kn = l2norm(q_in), l2norm(k_in)
-    dq, dk, *rest = backward(qn.detach(), kn.detach())
-    dq, dk = torch.autograd.grad((qn, kn), (q_in, k_in), (dq, dk))
-    return (dq, dk, *rest)
+    dq, dk, *rest = backward(l2norm(ctx.q), l2norm(ctx.k))
+    return (l2norm_backward(ctx.q, dq), l2norm_backward(ctx.k, dk), *rest)
 
 
 def _torch_bwd(do, dht, ctx: GDNContext):

@@ -296,7 +296,8 @@ class GatedDeltaNet(nn.Module):
                 got = (tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
                        else type(attention_mask).__name__)
                 _fail(f"attention_mask must be a [B, T] = {(B, T)} padding mask (1 = keep), got {got}")
-            _check_padding_mask(attention_mask)
+            if not torch.compiler.is_compiling():  # (values: a host read, which a traced call cannot make)
+                _check_padding_mask(attention_mask)
         N = B
         if cu_seqlens is not None:
             if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64) \
@@ -304,10 +305,11 @@ class GatedDeltaNet(nn.Module):
                 _fail("cu_seqlens must be a 1-D int32/int64 tensor [N+1]")
             if B != 1:
                 _fail(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
-            edges = cu_seqlens.tolist()
-            if edges[0] != 0 or edges[-1] != T or any(b < a for a, b in zip(edges, edges[1:])):
-                _fail(f"cu_seqlens must rise from 0 to T={T}, got {edges}")
-            N = len(edges) - 1
+            N = cu_seqlens.numel() - 1
+            if not torch.compiler.is_compiling():  # (values: a host read, which a traced call cannot make)
+                edges = cu_seqlens.tolist()
+                if edges[0] != 0 or edges[-1] != T or any(b < a for a, b in zip(edges, edges[1:])):
+                    _fail(f"cu_seqlens must rise from 0 to T={T}, got {edges}")
         if conv_state is not None:
             W = self.conv_size - 1
             if conv_state.dim() != 3 or conv_state.shape[0] != N or conv_state.shape[1] != self.conv_dim \

@@ -27,6 +27,15 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def l2norm_backward(x: torch.Tensor, dy: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The gradient of `l2norm` at x for the output gradient dy (by hand, no autograd: it also
+    runs inside custom ops, below autograd): r dy - x r^3 <x, dy> with r = (sum(x^2) + eps)^-1/2."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    dyf = dy.to(xf.dtype)
+    r = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+    return (r * dyf - xf * r.pow(3) * (xf * dyf).sum(-1, keepdim=True)).to(x.dtype)
+
+
 @dataclass
 class ChunkLayout:
     """Every chunk of every sequence, packed without padding to the longest sequence, in walk

@@ -1,0 +1,105 @@
+"""The single-device op registered with torch.library, so that torch.compile traces a model that
+calls it without a graph break: a forward and a backward custom op, each with a fake (shape-only)
+implementation, tied together with register_autograd.
+
+Used when the call is being compiled (`api.chunk_gated_delta_rule`); eager calls keep the
+autograd.Function of `ops.py`, which also hands the TileLang forward's kept chunk states to its
+backward. Here the backward recomputes them from the inputs (a custom op returns only tensors of a
+fixed schema), so a compiled training step pays one more state walk on the TileLang backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import choose_backend
+from .ops import GDNContext, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from .options import KernelOptions
+
+
+def _state_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _state_shape(q, v, cu_seqlens, state_v_first):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    K, HV, V = q.shape[3], v.shape[2], v.shape[3]
+    return (N, HV, V, K) if state_v_first else (N, HV, K, V)
+
+
+def _intra(intra_cp: str):
+    return intra_cp if intra_cp in ("auto", "off") else int(intra_cp)
+
+
+@torch.library.custom_op("flash_qla_cp::chunk_gated_delta_rule_fwd", mutates_args=())
+def gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
+            output_final_state: bool, use_qk_l2norm_in_kernel: bool, state_v_first: bool, backend: str,
+            intra_cp: str, fused_walk: str, four_warpgroups: bool, tilelang_backward: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    options = KernelOptions(fused_walk, four_warpgroups, tilelang_backward)
+    o, final, _ = chunk_gated_delta_rule_fwd(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+        backend=backend, intra_cp=_intra(intra_cp), kernel_options=options)
+    # a custom op returns tensors only: no final state is an empty one
+    return o, final if final is not None else q.new_empty(0, dtype=_state_dtype(q))
+
+
+@gdn_fwd.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel,
+      state_v_first, backend, intra_cp, fused_walk, four_warpgroups, tilelang_backward):
+    o = v.new_empty(v.shape)
+    shape = _state_shape(q, v, cu_seqlens, state_v_first) if output_final_state else (0,)
+    return o, q.new_empty(shape, dtype=_state_dtype(q))
+
+
+@torch.library.custom_op("flash_qla_cp::chunk_gated_delta_rule_bwd", mutates_args=())
+def gdn_bwd(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+            scale: float, use_qk_l2norm_in_kernel: bool, state_v_first: bool, backend: str, fused_walk: str,
+            four_warpgroups: bool, tilelang_backward: bool) -> list[torch.Tensor]:
+    options = KernelOptions(fused_walk, four_warpgroups, tilelang_backward)
+    # nothing kept from the forward (kernel_saved None): the TileLang backward recomputes it
+    ctx = GDNContext(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, state_v_first,
+                     choose_backend(backend, q, v), options)
+    dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.contiguous(), dht, ctx)
+    return [dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else q.new_empty(0, dtype=_state_dtype(q))]
+
+
+@gdn_bwd.register_fake
+def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, state_v_first, backend,
+      fused_walk, four_warpgroups, tilelang_backward):
+    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(
+        0, dtype=_state_dtype(q))
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), dh0]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2norm, v_first, backend, _, \
+        fused_walk, four_warpgroups, tilelang_backward = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    ctx.options = (scale, l2norm, v_first, backend, fused_walk, four_warpgroups, tilelang_backward)
+    ctx.output_final_state = output_final_state
+
+
+def _backward(ctx, do, dfinal):
+    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    dht = dfinal if ctx.output_final_state else None
+    dq, dk, dv, dg, dbeta, dh0 = gdn_bwd(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, *ctx.options)
+    return (dq, dk, dv, dg, dbeta, dh0 if initial_state is not None else None, *([None] * 10))
+
+
+gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel,
+                state_v_first, backend, intra_cp, options: KernelOptions):
+    """The op through the registered custom ops: (o, final state or None)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    o, final = gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), output_final_state,
+                       use_qk_l2norm_in_kernel, state_v_first, backend, str(intra_cp), options.fused_walk,
+                       options.four_warpgroups, options.tilelang_backward)
+    return o, (final if output_final_state else None)

@@ -1,0 +1,64 @@
+"""torch.compile(fullgraph=True) over the op and the layer, forward and backward, on the torch
+backend: the op goes through its torch.library custom ops (library_ops.py), with no graph break,
+and gives eager's results."""
+
+import pytest
+import torch
+
+from flash_qla_cp import GatedDeltaNet, chunk_gated_delta_rule
+from flash_qla_cp.library_ops import gdn_bwd, gdn_fwd
+from flash_qla_cp.testing import make_gdn_inputs, random_cu_seqlens, rel_err
+
+
+def _op_loss(q, k, v, g, beta, h0, cu):
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                  use_qk_l2norm_in_kernel=True)
+    return o.sin().sum() + s.cos().sum()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_compiled_op_matches_eager(packed):
+    x = make_gdn_inputs(batch=1 if packed else 2, seq_len=130, num_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
+    cu = random_cu_seqlens([50, 80]) if packed else None
+    h0 = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    results = []
+    for fn in (torch.compile(_op_loss, fullgraph=True), _op_loss):
+        leaves = [t.clone().requires_grad_(True) for t in (*x.values(), h0)]
+        loss = fn(*leaves, cu)
+        loss.backward()
+        results.append([loss, *(t.grad for t in leaves)])
+    for a, b in zip(*results):
+        assert rel_err(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("inputs", ["dense", "packed", "padded"])
+def test_compiled_layer_matches_eager(inputs):
+    torch.manual_seed(0)
+    m = GatedDeltaNet(32, 2, 4, 8, 8, backend="torch").double()
+    B = 1 if inputs == "packed" else 2
+    kw = {"dense": {}, "packed": dict(cu_seqlens=random_cu_seqlens([30, 40])),
+          "padded": dict(attention_mask=torch.tensor([[0] * 10 + [1] * 60, [1] * 70]))}[inputs]
+    x = torch.randn(B, 70, 32, dtype=torch.float64)
+    results = []
+    for fn in (torch.compile(m, fullgraph=True), m):
+        m.zero_grad()
+        xl = x.clone().requires_grad_(True)
+        y = fn(xl, **kw)
+        y.square().sum().backward()
+        results.append([y, xl.grad, *(p.grad.clone() for p in m.parameters())])
+    for a, b in zip(*results):
+        assert rel_err(a, b) < 1e-12
+
+
+def test_custom_ops_pass_opcheck():
+    """The registered ops' schemas, fake implementations and autograd agree with their real ones."""
+    x = make_gdn_inputs(seq_len=70, num_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, dtype=torch.float32)
+    cu = random_cu_seqlens([20, 50])
+    h0 = torch.randn(2, 2, 8, 8)
+    args = (*(t.requires_grad_(True) for t in x.values()), h0.requires_grad_(True), cu, 0.3, True, False, False,
+            "torch", "off", "auto", True, True)
+    torch.library.opcheck(gdn_fwd, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    do = torch.randn(1, 70, 2, 8)
+    bwd_args = (do, torch.randn(2, 2, 8, 8), *(t.detach() for t in x.values()), h0.detach(), cu, 0.3, False, False,
+                "torch", "auto", True, True)
+    torch.library.opcheck(gdn_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
