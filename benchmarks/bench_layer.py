@@ -1,0 +1,181 @@
+"""The Gated DeltaNet layer side by side: ours (`flash_qla_cp.GatedDeltaNet`) against FLA's
+(`fla.layers.GatedDeltaNet`, flash-linear-attention, its default dispatch: FlashQLA's kernels
+inside on Hopper), in one process on the same input.
+
+    python benchmarks/bench_layer.py [--shapes qwen3_next_1x32k,...] [--libs ours,fla] [--no-compile]
+
+For each shape: forward (no grad) and forward+backward (input and parameter gradients) median
+milliseconds, eager and under torch.compile, the peak memory of one fwd+bwd, and the error of our
+bf16 layer against the same layer in float64 (torch backend, the shape cut to --check-tokens),
+per output and parameter gradient. Writes bench_layer.json and bench_layer.md into --out
+(default $OUT, else benchmarks/results). `--device cpu --shapes tiny --libs ours` runs on a CPU
+(the torch backend) as a smoke test.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from flash_qla_cp import GatedDeltaNet  # noqa: E402
+from flash_qla_cp.testing import random_cu_seqlens, rel_err  # noqa: E402
+
+# name: (hidden, qk heads, v heads, head dim, batch, tokens per row, packed sequence lengths or None)
+SHAPES = {
+    "qwen3_next_1x32k": (2048, 16, 32, 128, 1, 32768, None),
+    "qwen3_next_4x8k": (2048, 16, 32, 128, 4, 8192, None),
+    "qwen3_next_varlen8_32k": (2048, 16, 32, 128, 1, 32768, (7000, 2100, 5300, 900, 6400, 3000, 4500, 3568)),
+    "recipe_1x32k": (1024, 8, 16, 128, 1, 32768, None),
+    "tiny": (64, 2, 4, 16, 2, 256, None),
+}
+
+
+def make_layer(lib, hidden, H, HV, D, device, dtype):
+    torch.manual_seed(0)
+    if lib == "ours":
+        return GatedDeltaNet(hidden, H, HV, D, D).to(device=device, dtype=dtype)
+    from fla.layers import GatedDeltaNet as FLAGatedDeltaNet
+
+    return FLAGatedDeltaNet(hidden_size=hidden, expand_v=1.0, head_dim=D, num_heads=H, num_v_heads=HV,
+                            mode="chunk").to(device=device, dtype=dtype)
+
+
+def call(layer, lib, x, cu):
+    if lib == "ours":
+        return layer(x, cu_seqlens=cu)
+    return layer(x, cu_seqlens=cu)[0]  # FLA's layer returns (o, attentions, cache)
+
+
+def median_ms(fn, device, reps=20):
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def timings(lib, shape, device, dtype, compiled):
+    hidden, H, HV, D, B, T, lengths = shape
+    layer = make_layer(lib, hidden, H, HV, D, device, dtype)
+    cu = random_cu_seqlens(lengths, device=device) if lengths else None
+    x = torch.randn(B if cu is None else 1, T if cu is None else sum(lengths), hidden, device=device, dtype=dtype)
+    run = torch.compile(lambda x_: call(layer, lib, x_, cu)) if compiled else (lambda x_: call(layer, lib, x_, cu))
+    xg = x.clone().requires_grad_(True)
+    dy = torch.randn_like(x)
+
+    def fwd():
+        with torch.no_grad():
+            run(x)
+
+    def fwdbwd():
+        xg.grad = None
+        layer.zero_grad(set_to_none=True)
+        run(xg).backward(dy)
+
+    row = {"fwd_ms": round(median_ms(fwd, device), 3), "fwdbwd_ms": round(median_ms(fwdbwd, device), 3)}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fwdbwd()
+        torch.cuda.synchronize()
+        row["fwdbwd_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return row
+
+
+def accuracy(shape, device, dtype, tokens):
+    """Our layer in `dtype` against the same layer (same weights) in float64 on the torch backend,
+    per output and parameter gradient, on the first `tokens` tokens of the shape."""
+    hidden, H, HV, D, B, _, _ = shape
+    ours = make_layer("ours", hidden, H, HV, D, device, dtype)
+    ref = make_layer("ours", hidden, H, HV, D, device, torch.float64)
+    ref.load_state_dict({k: v.double() for k, v in ours.state_dict().items()})
+    ref.backend = "torch"
+    x = torch.randn(1, tokens, hidden, device=device, dtype=torch.float64)
+    dy = torch.randn_like(x)
+    outs = {}
+    for name, layer, xx in (("ours", ours, x.to(dtype)), ("ref", ref, x)):
+        xl = xx.clone().requires_grad_(True)
+        y = layer(xl)
+        y.backward(dy.to(y.dtype))
+        outs[name] = {"y": y.detach(), "dx": xl.grad, **{"d" + n: p.grad for n, p in layer.named_parameters()}}
+    return {k: f"{rel_err(outs['ours'][k], outs['ref'][k]):.1e}" for k in outs["ref"]}
+
+
+def versions():
+    out = {"torch": torch.__version__}
+    for mod in ("triton", "tilelang", "fla"):
+        try:
+            out[mod] = getattr(__import__(mod), "__version__", "?")
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            out[mod] = f"not importable: {exc!r}"[:120]
+    return out
+
+
+def to_markdown(meta, rows):
+    lines = [f"# Layer benchmark — {meta['gpu']}, {meta['date']}", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
+             f"Command: `{meta['command']}`", "",
+             "Median ms (do_bench on a GPU), fwd without grad, fwd+bwd with input and parameter gradients.", "",
+             "| shape | lib | mode | fwd ms | fwd+bwd ms | fwd+bwd peak GiB | note |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['lib']} | {r['mode']} | {r.get('fwd_ms', '-')} | {r.get('fwdbwd_ms', '-')} "
+                     f"| {r.get('fwdbwd_peak_gib', '-')} | {r.get('error', '')[:120]} |")
+    if meta.get("accuracy"):
+        lines += ["", f"Our layer in {meta['dtype']} against float64 (relative L2), per output and parameter gradient:", ""]
+        for shape, errs in meta["accuracy"].items():
+            lines.append(f"- {shape}: " + ", ".join(f"{k} {v}" for k, v in errs.items()))
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen3_next_1x32k,qwen3_next_4x8k,qwen3_next_varlen8_32k,recipe_1x32k")
+    ap.add_argument("--libs", default="ours,fla")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-compile", action="store_true", help="eager only")
+    ap.add_argument("--check-tokens", type=int, default=4096, help="tokens of the accuracy check (0: none)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "command": " ".join(["python", "benchmarks/bench_layer.py", *sys.argv[1:]]), "versions": versions(),
+            "dtype": str(dtype).replace("torch.", ""), "accuracy": {}}
+    rows = []
+    for name in args.shapes.split(","):
+        for lib in args.libs.split(","):
+            for mode in ("eager",) if args.no_compile else ("eager", "compile"):
+                row = {"shape": name, "lib": lib, "mode": mode}
+                try:
+                    row.update(timings(lib, SHAPES[name], device, dtype, mode == "compile"))
+                except Exception as exc:  # noqa: BLE001 - a library that fails is reported, the rest still run
+                    row["error"] = repr(exc)
+                    traceback.print_exc()
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        if args.check_tokens:
+            meta["accuracy"][name] = accuracy(SHAPES[name], device, dtype, min(args.check_tokens, SHAPES[name][5]))
+            print(json.dumps({"shape": name, "accuracy": meta["accuracy"][name]}), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "bench_layer.md"), "w") as f:
+        f.write(to_markdown(meta, rows))
+
+
+if __name__ == "__main__":
+    main()
