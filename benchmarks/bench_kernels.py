@@ -307,6 +307,27 @@ def graphed(fn):
     return graph.replay
 
 
+def measured_peaks(rep=200):
+    """(bf16 matmul TFLOP/s, copy GB/s) of this GPU, measured now: the floors the '% of floor'
+    columns compare with (a large square GEMM; a 1 GiB copy, read and write counted)."""
+    import triton.testing
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    gemm_ms = triton.testing.do_bench(lambda: a @ b, rep=rep, return_mode="median")
+    src = torch.empty(2**28, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=rep, return_mode="median")
+    return 2 * n**3 / gemm_ms / 1e9, 2 * 2**30 / copy_ms / 1e6  # (the buffers go with the call)
+
+
+def floor_ms(flops, nbytes, meta):
+    """The time the work cannot go below: its FLOPs at the measured matmul rate or its bytes at
+    the measured copy bandwidth, whichever is longer."""
+    return max(flops / meta["matmul_tflops"] / 1e9, nbytes / meta["copy_gbps"] / 1e6)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -341,6 +362,9 @@ def main():
         "flops": flop_count.__doc__.strip(),
         "bytes": byte_count.__doc__.strip(),
     }
+    meta["matmul_tflops"], meta["copy_gbps"] = measured_peaks()
+    torch.cuda.empty_cache()
+    print(json.dumps({"matmul_tflops": meta["matmul_tflops"], "copy_gbps": meta["copy_gbps"]}), flush=True)
     rows = []
     for sname in shapes:
         B, T, H, HV, K, V, nseq = SHAPES[sname]
@@ -366,7 +390,8 @@ def main():
                 row.update(o_err=rel_l2(got[0], ref[0]), ht_err=rel_l2(got[1], ref[1]))
                 del got
                 ms, peak = measure(fwd, args.rep)
-                row.update(fwd_ms=ms, fwd_tflops=fl_f / ms / 1e9, fwd_gbps=by_f / ms / 1e6, fwd_peak_mib=peak / 2**20)
+                row.update(fwd_ms=ms, fwd_tflops=fl_f / ms / 1e9, fwd_gbps=by_f / ms / 1e6, fwd_peak_mib=peak / 2**20,
+                           fwd_pct_floor=100 * floor_ms(fl_f, by_f, meta) / ms)
             except Exception as exc:  # noqa: BLE001
                 row["fwd_error"] = (repr(exc) + " | " + traceback.format_exc()[-800:])[:1500]
             if args.no_bwd:
@@ -377,7 +402,7 @@ def main():
                 try:
                     ms, peak = measure(fwdbwd, args.rep)
                     row.update(fwdbwd_ms=ms, fwdbwd_tflops=3 * fl_f / ms / 1e9, fwdbwd_gbps=by_fb / ms / 1e6,
-                               fwdbwd_peak_mib=peak / 2**20)
+                               fwdbwd_peak_mib=peak / 2**20, fwdbwd_pct_floor=100 * floor_ms(3 * fl_f, by_fb, meta) / ms)
                     # the backward alone: fwd+bwd minus its own forward (inputs needing grad)
                     row["train_fwd_ms"] = measure(train_fwd, args.rep)[0]
                     row["bwd_ms"] = ms - row["train_fwd_ms"]
@@ -427,14 +452,20 @@ def to_markdown(meta, rows, partial=False):
         f"Timing: {meta['timing']}. TFLOP/s and GB/s use the counts documented in bench_kernels.py "
         "(fwd+bwd FLOPs = 3x fwd).",
         "",
+        ("% of floor: the time the work cannot go below (its FLOPs at the bf16 matmul rate or its bytes at "
+         "the copy bandwidth, whichever is longer, both measured in this run: "
+         f"{meta['matmul_tflops']:.0f} TFLOP/s, {meta['copy_gbps']:.0f} GB/s) over the measured time."
+         if "matmul_tflops" in meta else "% of floor: not measured in this run."),
+        "",
         "Speed-up columns: FlashQLA's time / this library's time on the same shape (> 1: faster than "
         "FlashQLA). o err / ht err: relative L2 error of the output / final state against the float32 "
         "torch reference. bwd ms: fwd+bwd ms minus the time of its forward alone (the same call, inputs "
         "needing grad, no backward).",
         "",
-        "| shape | lib | fwd ms | x FlashQLA | fwd TFLOP/s | fwd GB/s | fwd peak MiB | fwd+bwd ms | x FlashQLA "
-        "| bwd ms | x FlashQLA | fwd+bwd TFLOP/s | fwd+bwd peak MiB | o err | ht err | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | lib | fwd ms | x FlashQLA | fwd TFLOP/s | fwd GB/s | fwd % of floor | fwd peak MiB | fwd+bwd ms "
+        "| x FlashQLA | bwd ms | x FlashQLA | fwd+bwd TFLOP/s | fwd+bwd % of floor | fwd+bwd peak MiB | o err | ht err "
+        "| note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     peer = {(r["shape"], key): r.get(key) for r in rows if r["lib"] == "flashqla" for key in ("fwd_ms", "fwdbwd_ms", "bwd_ms")}
 
@@ -453,15 +484,13 @@ def to_markdown(meta, rows, partial=False):
         peer.update({(r["shape"], key): r.get(key) for r in rows if r["lib"] == "flashqla"
                      for key in ("fwd_graph_ms", "fwdbwd_graph_ms", "bwd_graph_ms")})
     for r in rows:
-        cfg = r.get("ours_config")
-        note = ("config " + ",".join(f"{k}={v}" for k, v in cfg.items()) + "; ") if cfg else ""
-        note += "; ".join(r[k][:160].replace("|", "/").replace("\n", " ")
+        note = "; ".join(r[k][:160].replace("|", "/").replace("\n", " ")
                           for k in ("fwd_error", "fwdbwd_error", "fwd_graph_error", "fwdbwd_graph_error") if k in r)
         out.append(
             f"| {r['shape']} | {r['lib']} | {_fmt(r, 'fwd_ms')} | {speedup(r, 'fwd_ms')} | {_fmt(r, 'fwd_tflops', 1)} | "
-            f"{_fmt(r, 'fwd_gbps', 0)} | {_fmt(r, 'fwd_peak_mib', 0)} | {_fmt(r, 'fwdbwd_ms')} | "
-            f"{speedup(r, 'fwdbwd_ms')} | {_fmt(r, 'bwd_ms')} | {speedup(r, 'bwd_ms')} | "
-            f"{_fmt(r, 'fwdbwd_tflops', 1)} | {_fmt(r, 'fwdbwd_peak_mib', 0)} | "
+            f"{_fmt(r, 'fwd_gbps', 0)} | {_fmt(r, 'fwd_pct_floor', 0)} | {_fmt(r, 'fwd_peak_mib', 0)} | "
+            f"{_fmt(r, 'fwdbwd_ms')} | {speedup(r, 'fwdbwd_ms')} | {_fmt(r, 'bwd_ms')} | {speedup(r, 'bwd_ms')} | "
+            f"{_fmt(r, 'fwdbwd_tflops', 1)} | {_fmt(r, 'fwdbwd_pct_floor', 0)} | {_fmt(r, 'fwdbwd_peak_mib', 0)} | "
             f"{sci(r, 'o_err')} | {sci(r, 'ht_err')} | "
             + (f"{_fmt(r, 'fwd_graph_ms')} | {speedup(r, 'fwd_graph_ms')} | {_fmt(r, 'fwdbwd_graph_ms')} | "
                f"{speedup(r, 'fwdbwd_graph_ms')} | {_fmt(r, 'bwd_graph_ms')} | {speedup(r, 'bwd_graph_ms')} | "
