@@ -70,3 +70,20 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     denom = e.norm().item()
     diff = (a - e).norm().item()
     return diff / denom if denom > 0 else diff
+
+
+def outputs_and_grads(fn, x: dict, initial_state, do, dht, cast=None, **kwargs) -> list:
+    """[o, final state, dq, dk, dv, dg, dbeta] (+ [dh0] with an initial state) of
+    fn(**x, initial_state=..., output_final_state=True, **kwargs) for the loss <o, do> + <final, dht>,
+    on fresh leaves (each input first passed through `cast`, e.g. to float64); gradients of inputs
+    nothing depends on (no tokens) are zeros. `fn`: the op or a reference with its signature."""
+    cast = cast or (lambda t: t)
+    names = ("q", "k", "v", "g", "beta")
+    leaves = [cast(x[n]).detach().clone().requires_grad_(True) for n in names]
+    if initial_state is not None:
+        leaves.append(cast(initial_state).detach().clone().requires_grad_(True))
+    o, final = fn(**dict(zip(names, leaves)), initial_state=leaves[5] if initial_state is not None else None,
+                  output_final_state=True, **kwargs)
+    loss = (o.double() * do.double()).sum() + (final.double() * dht.double()).sum()
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else [None] * len(leaves)
+    return [o, final, *(torch.zeros_like(t) if d is None else d for d, t in zip(grads, leaves))]

@@ -6,7 +6,7 @@ import torch
 
 from flash_qla_cp.reference import (chunk_gated_delta_rule_bwd_reference, chunk_gated_delta_rule_torch,
                                     naive_recurrent_gated_delta_rule)
-from flash_qla_cp.testing import make_gdn_inputs, random_cu_seqlens, rel_err
+from flash_qla_cp.testing import make_gdn_inputs, outputs_and_grads, random_cu_seqlens, rel_err
 
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -72,13 +72,8 @@ def test_skewed_packing_matches_the_recurrence_forward_and_backward():
     h0 = torch.randn(len(lengths), 2, 8, 8, generator=gen, dtype=torch.float64)
     do = torch.randn(1, sum(lengths), 2, 8, generator=gen, dtype=torch.float64)
     dht = torch.randn(len(lengths), 2, 8, 8, generator=gen, dtype=torch.float64)
-    grads = []
-    for fn in (chunk_gated_delta_rule_torch, naive_recurrent_gated_delta_rule):
-        xs = {n: t.clone().requires_grad_(True) for n, t in x.items()}
-        h = h0.clone().requires_grad_(True)
-        o, s = fn(**xs, initial_state=h, output_final_state=True, cu_seqlens=cu)
-        ((o * do).sum() + (s * dht).sum()).backward()
-        grads.append([o, s] + [xs[n].grad for n in ("q", "k", "v", "g", "beta")] + [h.grad])
+    grads = [outputs_and_grads(fn, x, h0, do, dht, cu_seqlens=cu)
+             for fn in (chunk_gated_delta_rule_torch, naive_recurrent_gated_delta_rule)]
     for a, b in zip(*grads):
         assert rel_err(a, b) < 1e-10
     hand = chunk_gated_delta_rule_bwd_reference(**x, do=do, initial_state=h0, dht=dht, cu_seqlens=cu)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from flash_qla_cp import chunk_gated_delta_rule
 from flash_qla_cp.reference import naive_recurrent_gated_delta_rule
-from flash_qla_cp.testing import random_cu_seqlens
+from flash_qla_cp.testing import outputs_and_grads, random_cu_seqlens
 
 GATE_SPECIALS = (float("-inf"), -1e30, -1e9, -300.0, 0.0)
 
@@ -53,17 +53,8 @@ def test_op_matches_the_float64_recurrence(call):
     do, dht = randn(1, T, HV, V), randn(N, HV, K, V)
     cu = random_cu_seqlens(lengths)
 
-    results = []
-    for fn, cast in ((chunk_gated_delta_rule, lambda t: t), (naive_recurrent_gated_delta_rule, lambda t: t.double())):
-        leaves = [cast(x[n]).detach().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
-        if with_h0:
-            leaves.append(cast(h0).detach().requires_grad_(True))
-        o, s = fn(*leaves[:5], initial_state=leaves[5] if with_h0 else None, output_final_state=True,
-                  cu_seqlens=cu)
-        loss = (o.double() * do).sum() + (s.double() * dht).sum()
-        # (with no tokens and no initial state nothing depends on the inputs: zero gradients)
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else [None] * len(leaves)
-        results.append([o, s, *(torch.zeros_like(t) if d is None else d for d, t in zip(grads, leaves))])
+    results = [outputs_and_grads(fn, x, h0, do, dht, cast=cast, cu_seqlens=cu)
+               for fn, cast in ((chunk_gated_delta_rule, None), (naive_recurrent_gated_delta_rule, torch.Tensor.double))]
     tol = 1e-9 if dtype == torch.float64 else 3e-4  # fp32: its rounding, against float64
     # errors relative to the result's norm, with a floor: where a gate of -300 makes a gradient
     # ~1e-130, the chunked formulas give it to ~1e-16 absolute (sums of O(1) terms), which is right

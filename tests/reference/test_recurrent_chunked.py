@@ -5,7 +5,7 @@ import torch
 
 from flash_qla_cp import chunk_gated_delta_rule
 from flash_qla_cp.reference import chunk_gated_delta_rule_torch, naive_recurrent_gated_delta_rule
-from flash_qla_cp.testing import make_gdn_inputs, random_cu_seqlens, rel_err
+from flash_qla_cp.testing import make_gdn_inputs, outputs_and_grads, random_cu_seqlens, rel_err
 
 
 def _inputs(seed, **kw):
@@ -126,13 +126,8 @@ def test_extreme_gates_match_the_recurrence(name, dtype, tol):
     gen = torch.Generator().manual_seed(1)
     do = torch.randn(1, x["v"].shape[1], 3, 8, generator=gen, dtype=torch.float64).to(dtype)
     dht = torch.randn(3, 3, 8, 8, generator=gen, dtype=torch.float64).to(dtype)
-    results = []
-    for fn in (chunk_gated_delta_rule, naive_recurrent_gated_delta_rule):
-        xs = {n: t.clone().requires_grad_(True) for n, t in x.items()}
-        h = h0.clone().requires_grad_(True)
-        o, s = fn(**xs, initial_state=h, output_final_state=True, cu_seqlens=cu)
-        ((o * do).sum() + (s * dht).sum()).backward()
-        results.append([o, s] + [xs[n].grad for n in ("q", "k", "v", "g", "beta")] + [h.grad])
+    results = [outputs_and_grads(fn, x, h0, do, dht, cu_seqlens=cu)
+               for fn in (chunk_gated_delta_rule, naive_recurrent_gated_delta_rule)]
     for what, ours, ref in zip(("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *results):
         assert torch.isfinite(ours).all(), what
         assert rel_err(ours, ref) < tol, (what, rel_err(ours, ref))
