@@ -59,7 +59,7 @@ class LoweringCase:
 
 SMS = 132  # an H200
 # (H, HV, K, V, dtype): GVA and MHA heads, both head sizes, both dtypes, wide and mixed heads
-_HEADS = {"k128": (2, 4, 128, 128, "bfloat16"), "k64": (2, 4, 64, 64, "float16"), "mha": (4, 4, 128, 128, "bfloat16"),
+_HEADS = {"k128": (2, 4, 128, 128, "bfloat16"), "k64": (2, 4, 64, 64, "float16"),
           "k256": (2, 4, 256, 256, "bfloat16"), "k256v128": (2, 4, 256, 128, "bfloat16"),
           "k128v256": (2, 4, 128, 256, "bfloat16")}
 
@@ -81,15 +81,15 @@ def _forward_plans():
 
 def _backward_plans():
     """(tag, BackwardPlan): the three-kernel backward (few walks; with and without initial state /
-    exit gradients, GVA and MHA), the fused walk (many walks; with and without), the split
-    backward (serial h walk, chunk-limited dh walk, reverse scan), wide heads."""
+    exit gradients), the fused walk (many walks; with and without), the split backward (serial h
+    walk, chunk-limited dh walk, reverse scan), wide heads."""
     scale = 128**-0.5
     yield "k128_1walks", plan_backward(2, 4, 128, 128, "bfloat16", scale, True, True, 1, SMS)
     yield "k128_1000walks", plan_backward(2, 4, 128, 128, "bfloat16", scale, True, True, 1000, SMS)
     yield "k128_split", plan_backward(2, 4, 128, 128, "bfloat16", scale, False, True, 8, SMS, 1)
     yield "k128_split_fused", plan_backward(2, 4, 128, 128, "bfloat16", scale, True, False, 64, SMS, 2, True)
-    yield "mha_1walks", plan_backward(4, 4, 128, 128, "bfloat16", scale, False, False, 1, SMS)
     yield "k64_1walks", plan_backward(2, 4, 64, 64, "float16", 64**-0.5, True, True, 1, SMS)
+    yield "k64_1walks_nostate", plan_backward(2, 4, 64, 64, "float16", 64**-0.5, False, False, 1, SMS)
     yield "k64_1000walks", plan_backward(2, 4, 64, 64, "float16", 64**-0.5, False, False, 1000, SMS)
     yield "k256_1walks", plan_backward(2, 4, 256, 256, "bfloat16", 256**-0.5, True, True, 1, SMS)
 
