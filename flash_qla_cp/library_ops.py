@@ -15,10 +15,7 @@ import torch
 from .backends import choose_backend
 from .ops import GDNContext, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from .options import KernelOptions
-
-
-def _state_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+from .reference.chunked import compute_dtype
 
 
 def _state_shape(q, v, cu_seqlens, state_v_first):
@@ -43,7 +40,7 @@ def gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
         backend=backend, intra_cp=_intra(intra_cp), kernel_options=options)
     # a custom op returns tensors only: no final state is an empty one
-    return o, final if final is not None else q.new_empty(0, dtype=_state_dtype(q))
+    return o, final if final is not None else q.new_empty(0, dtype=compute_dtype(q))
 
 
 @gdn_fwd.register_fake
@@ -51,7 +48,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, us
       state_v_first, backend, intra_cp, fused_walk, four_warpgroups, tilelang_backward):
     o = v.new_empty(v.shape)
     shape = _state_shape(q, v, cu_seqlens, state_v_first) if output_final_state else (0,)
-    return o, q.new_empty(shape, dtype=_state_dtype(q))
+    return o, q.new_empty(shape, dtype=compute_dtype(q))
 
 
 @torch.library.custom_op("flash_qla_cp::chunk_gated_delta_rule_bwd", mutates_args=())
@@ -64,14 +61,14 @@ def gdn_bwd(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torc
     ctx = GDNContext(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, state_v_first,
                      choose_backend(backend, q, v), options)
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.contiguous(), dht, ctx)
-    return [dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else q.new_empty(0, dtype=_state_dtype(q))]
+    return [dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else q.new_empty(0, dtype=compute_dtype(q))]
 
 
 @gdn_bwd.register_fake
 def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, state_v_first, backend,
       fused_walk, four_warpgroups, tilelang_backward):
     dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(
-        0, dtype=_state_dtype(q))
+        0, dtype=compute_dtype(q))
     return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
             beta.new_empty(beta.shape), dh0]
 

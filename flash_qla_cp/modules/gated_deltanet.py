@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..api import chunk_gated_delta_rule
 from ..parallel.conv_halo import exchange_conv_halo
+from ..reference.chunked import compute_dtype
 from ..reference.shapes import expand_qk_heads, l2norm
 from ..validation import is_intra_option
 from .hf_params import gdn_from_qwen3_next
@@ -74,7 +75,7 @@ class GDNCache:
 def recurrent_step(q, k, v, g, beta, scale, initial_state=None):
     """One token (T == 1) of the gated delta rule, q/k l2-normalised here. Cheaper than a 64-token chunk
     for decoding. Shapes as the op; returns (o [B, 1, HV, V] in v's dtype, state [B, HV, K, V])."""
-    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(v)
     HV = v.shape[2]
     qt = expand_qk_heads(l2norm(q), HV)[:, 0].to(dtype)
     kt = expand_qk_heads(l2norm(k), HV)[:, 0].to(dtype)
@@ -255,7 +256,7 @@ class GatedDeltaNet(nn.Module):
               cp_context=None):
         """The gated delta rule (q, k l2-normalised inside). CP seam: `cp_context` goes to the op."""
         if initial_state is not None:
-            initial_state = initial_state.to(torch.float64 if v.dtype == torch.float64 else torch.float32)
+            initial_state = initial_state.to(compute_dtype(v))
         if cp_context is None and cu_seqlens is None and q.shape[1] == 1:
             o, state = recurrent_step(q, k, v, g, beta, self.head_k_dim**-0.5, initial_state)
             return o, (state if output_final_state else None)
@@ -372,7 +373,7 @@ class GatedDeltaNet(nn.Module):
         mixed = x.new_zeros(B, 0, self.conv_dim)
         if not output_final_state:
             return out, None, None, mixed
-        state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        state_dtype = compute_dtype(x)
         if conv_state is None:
             conv_state = x.new_zeros(num_seqs, self.conv_dim, self.conv_size - 1)
         if recurrent_state is None:
