@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from ..reference.layer_steps import ProjectionLayout
 from .backward import plan_backward
 from .forward import plan_forward
+from .layer import plan_gated_norm, plan_layer_inputs
 from .hopper.common import default_pass_configs
 from .runtime import KernelSpec
 
@@ -94,6 +96,15 @@ def _backward_plans():
     yield "k256_1walks", plan_backward(2, 4, 256, 256, "bfloat16", 256**-0.5, True, True, 1, SMS)
 
 
+def _layer_plans():
+    """(tag, StepPlan): the layer's steps for both projection layouts, equal and mixed head dims
+    (one set of buffers or two), both dtypes, beta in (0, 1) and (0, 2)."""
+    for tag, layout, dtype, neg in (("qwen3_next_k128", ProjectionLayout.qwen3_next(2, 4, 128, 128), "bfloat16", False),
+                                    ("qwen3_5_k64v128", ProjectionLayout.qwen3_5(2, 4, 64, 128), "float16", True)):
+        yield tag, plan_layer_inputs(layout, 4, dtype, neg)
+        yield tag, plan_gated_norm(layout, dtype, 1e-6)
+
+
 _ENTRIES = {
     "build_prepare_kernel": "gdn_fwd_prepare", "build_fused_fwd_kernel": "gdn_fwd_fused",
     "build_fused_fwd_ws_kernel": "gdn_fwd_fused", "build_fused_fwd_ws4_kernel": "gdn_fwd_fused",
@@ -102,7 +113,11 @@ _ENTRIES = {
     "build_bwd_h_ws_kernel": "gdn_bwd_h", "build_bwd_dh_kernel": "gdn_bwd_dh", "build_bwd_dh_ws_kernel": "gdn_bwd_dh",
     "build_bwd_grad_group_kernel": "gdn_bwd_grad_group", "build_bwd_grad_wide_kernel": "gdn_bwd_grad_wide",
     "build_bwd_fused_ws_kernel": "gdn_bwd_fused_ws", "build_v_head_sum_kernel": "gdn_v_head_sum",
+    "build_layer_inputs_kernel": "gdn_layer_inputs", "build_layer_inputs_bwd_kernel": "gdn_layer_inputs_bwd",
+    "build_gated_norm_kernel": "gdn_gated_norm", "build_gated_norm_bwd_kernel": "gdn_gated_norm_bwd",
 }
+_ELEMENTWISE = ("build_v_head_sum_kernel", "build_layer_inputs_kernel", "build_layer_inputs_bwd_kernel",
+                "build_gated_norm_kernel", "build_gated_norm_bwd_kernel")
 _WARP_SPECIALISED = ("build_fused_fwd_ws_kernel", "build_fused_fwd_ws4_kernel", "build_bwd_h_ws_kernel",
                      "build_bwd_dh_ws_kernel", "build_bwd_fused_ws_kernel")
 
@@ -114,8 +129,8 @@ def _case(tag: str, spec: KernelSpec) -> LoweringCase:
         entry += "_varlen" if p["is_varlen"] else ""
     entry += "_states" if p.get("store_states") else ""
     entry += "_limited" if p.get("limit_chunks") else ""
-    if spec.name == "build_v_head_sum_kernel":
-        expect = ()  # elementwise
+    if spec.name in _ELEMENTWISE:
+        expect = ()
     elif spec.name == "build_decay_tables_kernel":
         expect = ("double",)  # the decay sums in float64
     elif spec.name in ("build_prepare_kernel", "build_partition_scan_kernel"):
@@ -135,7 +150,7 @@ def _case(tag: str, spec: KernelSpec) -> LoweringCase:
 def lowering_cases() -> tuple:
     """Every distinct spec of the plans above, once (named by the first plan that chose it)."""
     seen, cases = set(), []
-    for tag, plan in (*_forward_plans(), *_backward_plans()):
+    for tag, plan in (*_forward_plans(), *_backward_plans(), *_layer_plans()):
         for spec in plan.specs():
             if spec not in seen:
                 seen.add(spec)

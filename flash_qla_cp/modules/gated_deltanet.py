@@ -16,8 +16,13 @@ proj_layout='qwen3_5' (Qwen3.5): in_proj_qkv [2*H*dk + HV*dv, D] (all q, all k, 
 
 A "group" is the r = HV / H value heads that read key head h (v head index h*r + j).
 
-Context-parallel seam: forward makes exactly one `short_conv(...)` call and one `_core(...)` call,
-both taking `cp_context`; the parallel package wraps or overrides those two.
+Two paths. Training-style calls (dense or packed, no mask, no cache, not under CP or
+torch.compile) run fused: the projections as one matmul, then `fused_mixer` (conv, l2 norm and
+gates in one step, the op, the gated norm in another) and out_proj. Every other call takes the
+step path: the projections split, `short_conv`, `_gates`, `_core`, the norm, each a torch op.
+
+Context-parallel seam: the step path makes exactly one `short_conv(...)` call and one `_core(...)`
+call, both taking `cp_context`; the parallel package wraps or overrides those two.
 """
 
 from __future__ import annotations
@@ -30,10 +35,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..api import chunk_gated_delta_rule
+from ..backends import choose_backend
+from ..kernels.layer import MAX_CONV_SIZE
 from ..parallel.conv_halo import exchange_conv_halo
 from ..reference.chunked import compute_dtype
+from ..reference.layer_steps import ProjectionLayout
 from ..reference.shapes import expand_qk_heads, l2norm
 from ..validation import is_intra_option
+from .fused_mixer import MixerConfig, fused_mixer
 from .hf_params import gdn_from_qwen3_next
 from .norm import GatedRMSNorm
 from .short_conv import ShortConvolution, last_kept_inputs
@@ -163,6 +172,9 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
 
+        layouts = {"qwen3_next": ProjectionLayout.qwen3_next, "qwen3_5": ProjectionLayout.qwen3_5}
+        self.projection_layout = layouts[proj_layout](num_heads, num_v_heads, head_k_dim, head_v_dim)
+
         factory = dict(device=device, dtype=dtype)
         if proj_layout == "qwen3_next":
             self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False, **factory)
@@ -272,6 +284,41 @@ class GatedDeltaNet(nn.Module):
             **extra,
         )
 
+    def _projection_weight(self):
+        """The input projections as one weight (rows in `self.projection_layout`'s order): one matmul."""
+        if self.proj_layout == "qwen3_next":
+            parts = (self.in_proj_qkvz, self.in_proj_ba)
+        else:
+            parts = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        return torch.cat([p.weight for p in parts])
+
+    def _fused_backend(self, x, attention_mask, conv_state, output_final_state, cp_context):
+        """The op backend for the fused layer (`fused_mixer.py`), or None where this call takes the
+        step-by-step path: under CP, with padding masks, caches or final states, single tokens
+        (decoding), inside torch.compile (the steps are registered custom ops there), the torch
+        backend's own intra-card split, or a conv wider than the kernels take."""
+        if (cp_context is not None or attention_mask is not None or conv_state is not None or output_final_state
+                or x.shape[1] <= 1 or torch.compiler.is_compiling()):
+            return None
+        qk_like = x.new_empty(0, self.head_k_dim)
+        v_like = x.new_empty(0, self.head_v_dim)
+        backend = choose_backend(self.backend, qk_like, v_like)
+        if backend == "torch" and self.intra_cp not in ("auto", "off"):
+            return None
+        if backend == "tilelang" and self.conv_size > MAX_CONV_SIZE:
+            return None
+        return backend
+
+    def _fused_mix(self, x, cu_seqlens, recurrent_state, backend):
+        P = F.linear(x, self._projection_weight())
+        config = MixerConfig(self.projection_layout, self.allow_neg_eigval, self.norm_eps, self.head_k_dim**-0.5,
+                             backend, self.intra_cp, self.save_states)
+        if recurrent_state is not None:
+            recurrent_state = recurrent_state.to(compute_dtype(x))
+        y = fused_mixer(P, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, config, recurrent_state,
+                        cu_seqlens)
+        return self.out_proj(y)
+
     def _output(self, o, z):
         B, T = o.shape[:2]
         return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
@@ -339,6 +386,9 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = hidden_states.shape
         if T == 0:  # nothing to mix: an empty output, the states handed on unchanged
             return self._empty_call(hidden_states, num_seqs, conv_state, recurrent_state, output_final_state)
+        fused = self._fused_backend(hidden_states, attention_mask, conv_state, output_final_state, cp_context)
+        if fused is not None:
+            return self._fused_mix(hidden_states, cu_seqlens, recurrent_state, fused), None, None, None
         keep = None
         if attention_mask is not None:
             # padded tokens: zero input (nothing leaks through the conv), g = beta = 0 (the state passes

@@ -188,3 +188,32 @@ def test_unsplit_recompute_launches_match_their_signatures(with_h0):
     assert launches.params(2)["use_initial_state"] is with_h0
     assert_launches_match_signatures(launches)
     assert (grads[5] is not None) is with_h0
+
+
+@pytest.mark.parametrize("proj_layout", ["qwen3_next", "qwen3_5"])
+def test_fused_layer_launches_its_step_kernels_around_the_op(proj_layout):
+    """The fused layer on the TileLang path: conv/l2norm/gates kernel, the op's kernels, the gated
+    norm; in the backward the norm's, the recomputed inputs, the op's, the inputs' backward; every
+    launch with its kernel's signature."""
+    from flash_qla_cp import GatedDeltaNet
+    from flash_qla_cp.modules import fused_mixer
+
+    m = GatedDeltaNet(256, 2, 4, 128, 128, proj_layout=proj_layout, backend="torch").to(torch.bfloat16)
+    x = torch.zeros(1, 300, 256, dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, 1, 120, 300], dtype=torch.int32)
+
+    def call():
+        config = fused_mixer.MixerConfig(m.projection_layout, False, 1e-6, 128**-0.5, "tilelang", "auto", True)
+        P = torch.nn.functional.linear(x, m._projection_weight())
+        with mock.patch("flash_qla_cp.ops.choose_backend", lambda *a: "tilelang"):
+            y = fused_mixer.fused_mixer(P, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight, config, None, cu)
+            y.sum().backward()
+
+    _, launches, _ = run_recorded(call)
+    names = launches.names()
+    layer = [n for n in names if "layer_inputs" in n or "gated_norm" in n]
+    assert layer == ["build_layer_inputs_kernel", "build_gated_norm_kernel", "build_gated_norm_bwd_kernel",
+                     "build_layer_inputs_kernel", "build_layer_inputs_bwd_kernel"]
+    assert names[0] == "build_layer_inputs_kernel" and names[-1] == "build_layer_inputs_bwd_kernel"
+    assert len(names) > len(layer)  # the op's own kernels in between
+    assert_launches_match_signatures(launches)

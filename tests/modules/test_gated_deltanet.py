@@ -215,32 +215,36 @@ def test_bfloat16_close_to_float32():
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 3e-2
 
 
-def test_no_cp_context_argument_reaches_the_op_without_cp(monkeypatch):
+def test_training_calls_take_the_fused_layer_and_the_others_the_steps(monkeypatch):
+    """Plain, packed and initial-state calls run the fused layer (`modules/fused_mixer.py`);
+    padding masks, caches and single tokens the step-by-step path."""
     import flash_qla_cp.modules.gated_deltanet as gdn_mod
 
-    seen = []
-    real = gdn_mod.chunk_gated_delta_rule
-
-    def spy(*args, **kwargs):
-        seen.append("cp_context" in kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gdn_mod, "chunk_gated_delta_rule", spy)
-    _layer()(_x(1, 5))
-    assert seen == [False]
+    fused, steps = [], []
+    real_fused, real_op = gdn_mod.fused_mixer, gdn_mod.chunk_gated_delta_rule
+    monkeypatch.setattr(gdn_mod, "fused_mixer", lambda *a, **kw: fused.append(1) or real_fused(*a, **kw))
+    monkeypatch.setattr(gdn_mod, "chunk_gated_delta_rule", lambda *a, **kw: steps.append(kw) or real_op(*a, **kw))
+    m = _layer()
+    m(_x(2, 9))
+    m(_x(1, 9), cu_seqlens=random_cu_seqlens([4, 5]))
+    m(_x(2, 9), initial_state=torch.randn(2, 4, 8, 8, dtype=torch.float64))
+    assert len(fused) == 3 and steps == []
+    m(_x(2, 9), attention_mask=torch.ones(2, 9))
+    m(_x(2, 9), use_cache=True)
+    assert len(fused) == 3 and len(steps) == 2 and not any("cp_context" in kw for kw in steps)
 
 
 def test_save_states_option_reaches_the_op(monkeypatch):
-    import flash_qla_cp.modules.gated_deltanet as gdn_mod
+    import flash_qla_cp.modules.fused_mixer as mixer_mod
 
     seen = []
-    real = gdn_mod.chunk_gated_delta_rule
+    real = mixer_mod.chunk_gated_delta_rule_fwd
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("save_states"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gdn_mod, "chunk_gated_delta_rule", spy)
+    monkeypatch.setattr(mixer_mod, "chunk_gated_delta_rule_fwd", spy)
     _layer()(_x(1, 5))
     _layer(save_states=False)(_x(1, 5))
     assert seen == [True, False]

@@ -1,0 +1,72 @@
+"""Backward of `gated_norm.py`: from dy to do, the z columns of dP and the weight gradient's
+per-block partial sums ([blocks, HV, dv] fp32, summed on the host in a fixed order).
+
+With n = o r, r = rsqrt(mean(o^2) + eps), gate = silu(z): dz = dy n weight silu'(z);
+dn = dy gate weight; do = r (dn - n mean(dn n)); d weight = sum over tokens of dy gate n.
+One block per (BT tokens, one v-head). Same arithmetic as `reference.layer_steps.gated_norm_backward`.
+"""
+
+from .common import import_tilelang, tl_dtype
+
+
+def build_gated_norm_bwd_kernel(H: int, HV: int, dv: int, width: int, z_offset: int, z_head_stride: int, eps: float,
+                                dtype: str, block_tokens: int = 32):
+    """PrimFunc `gdn_gated_norm_bwd(dy, o, P, weight, do, dP, dweight_part)`: dy, o [NT, HV, dv],
+    P [NT, width] dtype, weight [dv] fp32 -> do [NT, HV, dv], the z columns of dP [NT, width] (dtype),
+    dweight_part [ceil(NT / block_tokens), HV, dv] fp32. Grid (ceil(NT / block_tokens), HV), 128 threads."""
+    _, T = import_tilelang()
+    dtype = tl_dtype(dtype)
+    acc = "float32"
+    r = HV // H
+    BT = block_tokens
+    NT = T.dynamic("num_tokens")
+    NB = T.dynamic("num_blocks")
+
+    @T.prim_func
+    def gdn_gated_norm_bwd(
+        dy: T.Tensor((NT, HV, dv), dtype),
+        o: T.Tensor((NT, HV, dv), dtype),
+        P: T.Tensor((NT, width), dtype),
+        weight: T.Tensor((dv,), acc),
+        do: T.Tensor((NT, HV, dv), dtype),
+        dP: T.Tensor((NT, width), dtype),
+        dweight_part: T.Tensor((NB, HV, dv), acc),
+    ):
+        with T.Kernel(T.ceildiv(NT, BT), HV, threads=128) as (bt, hv):
+            t0 = bt * BT
+            col = z_offset + (hv // r) * z_head_stride + (hv % r) * dv
+            n_f = T.alloc_fragment((BT, dv), acc)
+            dn_f = T.alloc_fragment((BT, dv), acc)
+            x_f = T.alloc_fragment((BT, dv), acc)
+            rs_f = T.alloc_fragment((BT,), acc)
+            dot_f = T.alloc_fragment((BT,), acc)
+            dw_f = T.alloc_fragment((dv,), acc)
+            for i, d in T.Parallel(BT, dv):
+                n_f[i, d] = T.cast(o[T.min(t0 + i, NT - 1), hv, d], acc)
+                x_f[i, d] = n_f[i, d] * n_f[i, d]
+            T.reduce_sum(x_f, rs_f, dim=1)
+            for i in T.Parallel(BT):
+                rs_f[i] = T.rsqrt(rs_f[i] / dv + eps)
+            for i, d in T.Parallel(BT, dv):
+                live = t0 + i < NT
+                t = T.min(t0 + i, NT - 1)
+                z = T.cast(P[t, col + d], acc)
+                sig = T.float32(1) / (T.float32(1) + T.exp(-z))
+                g = T.if_then_else(live, T.cast(dy[t, hv, d], acc), T.float32(0))
+                n_f[i, d] = n_f[i, d] * rs_f[i]
+                if live:
+                    dP[t, col + d] = T.cast(g * n_f[i, d] * weight[d] * sig * (T.float32(1) + z * (T.float32(1) - sig)),
+                                            dtype)
+                x_f[i, d] = g * z * sig * n_f[i, d]  # the weight gradient's terms
+                dn_f[i, d] = g * z * sig * weight[d]
+            T.reduce_sum(x_f, dw_f, dim=0)
+            for d in T.Parallel(dv):
+                dweight_part[bt, hv, d] = dw_f[d]
+            for i, d in T.Parallel(BT, dv):
+                x_f[i, d] = dn_f[i, d] * n_f[i, d]
+            T.reduce_sum(x_f, dot_f, dim=1)
+            for i, d in T.Parallel(BT, dv):
+                if t0 + i < NT:
+                    do[t0 + i, hv, d] = T.cast(rs_f[i] * (dn_f[i, d] - n_f[i, d] * dot_f[i] / dv), dtype)
+
+    return gdn_gated_norm_bwd

@@ -1,0 +1,123 @@
+"""Host side of the layer's Hopper kernels around the op (`hopper/layer_inputs*.py`,
+`hopper/gated_norm*.py`): a plan (forward and backward kernel) per step and configuration, and the
+four steps with the signatures of their torch forms in `reference/layer_steps.py` (the fused layer,
+`modules/fused_mixer.py`, calls either set the same way). A step's first call compiles its forward
+and backward kernels together.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+
+import torch
+
+from . import runtime
+from .hopper.common import tl_dtype
+from .hopper.gated_norm import build_gated_norm_kernel
+from .hopper.gated_norm_bwd import build_gated_norm_bwd_kernel
+from .hopper.layer_inputs import WINDOW_ROWS, build_layer_inputs_kernel
+from .hopper.layer_inputs_bwd import build_layer_inputs_bwd_kernel
+from .runtime import KernelSpec, kernel_operand
+
+MAX_CONV_SIZE = WINDOW_ROWS  # the conv window a block keeps
+INPUTS_BLOCK_TOKENS = 64
+INPUTS_BWD_BLOCK_TOKENS = 48  # + 16 look-ahead tokens: 64-row tiles
+NORM_BLOCK_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A layer step's forward and backward kernel."""
+
+    forward: KernelSpec
+    backward: KernelSpec
+
+    def specs(self) -> tuple:
+        return (self.forward, self.backward)
+
+
+@functools.lru_cache(maxsize=None)
+def plan_layer_inputs(layout, conv_size: int, dtype: str, allow_neg_eigval: bool) -> StepPlan:
+    """conv + SiLU, l2 norm and gates for a projection layout (`reference.layer_steps.ProjectionLayout`)."""
+    lay = {f.name: getattr(layout, f.name) for f in fields(layout) if not f.name.startswith("z_")}
+    params = dict(H=lay.pop("num_heads"), HV=lay.pop("num_v_heads"), dk=lay.pop("head_k_dim"),
+                  dv=lay.pop("head_v_dim"), conv_size=conv_size, dtype=tl_dtype(dtype),
+                  allow_neg_eigval=bool(allow_neg_eigval), **lay)
+    return StepPlan(KernelSpec.of(build_layer_inputs_kernel, block_tokens=INPUTS_BLOCK_TOKENS, **params),
+                    KernelSpec.of(build_layer_inputs_bwd_kernel, block_tokens=INPUTS_BWD_BLOCK_TOKENS, **params))
+
+
+@functools.lru_cache(maxsize=None)
+def plan_gated_norm(layout, dtype: str, eps: float) -> StepPlan:
+    params = dict(H=layout.num_heads, HV=layout.num_v_heads, dv=layout.head_v_dim, width=layout.width,
+                  z_offset=layout.z_offset, z_head_stride=layout.z_head_stride, eps=float(eps), dtype=tl_dtype(dtype),
+                  block_tokens=NORM_BLOCK_TOKENS)
+    return StepPlan(KernelSpec.of(build_gated_norm_kernel, **params),
+                    KernelSpec.of(build_gated_norm_bwd_kernel, **params))
+
+
+def _ready(plan: StepPlan) -> StepPlan:
+    runtime.compile_plan(plan)
+    return plan
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return kernel_operand(t.float())
+
+
+def _inputs_plan(P, layout, conv_weight, allow_neg_eigval):
+    return _ready(plan_layer_inputs(layout, conv_weight.shape[-1], tl_dtype(P.dtype), bool(allow_neg_eigval)))
+
+
+def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False):
+    """As `reference.layer_steps.op_inputs_forward` (P [NT, width] bf16 / fp16)."""
+    plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval)
+    NT, H, HV = P.shape[0], layout.num_heads, layout.num_v_heads
+    q = P.new_empty(NT, H, layout.head_k_dim)
+    k = P.new_empty(NT, H, layout.head_k_dim)
+    v = P.new_empty(NT, HV, layout.head_v_dim)
+    g = P.new_empty(NT, HV, dtype=torch.float32)
+    beta = P.new_empty(NT, HV, dtype=torch.float32)
+    runtime.compile_kernel(plan.forward)(
+        kernel_operand(P), _fp32(conv_weight.reshape(conv_weight.shape[0], -1)), kernel_operand(positions),
+        _fp32(A_log), _fp32(dt_bias), q, k, v, g, beta)
+    return q, k, v, g, beta
+
+
+def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval,
+                       dP):
+    """As `reference.layer_steps.op_inputs_backward`."""
+    plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval)
+    NT, HV = P.shape[0], layout.num_v_heads
+    C, K = conv_weight.shape[0], conv_weight.shape[-1]
+    blocks = -(-NT // INPUTS_BWD_BLOCK_TOKENS)
+    dweight_part = P.new_empty(blocks, C, K, dtype=torch.float32)
+    da_tokens = P.new_empty(NT, HV, dtype=torch.float32)
+    dA_log_tokens = P.new_empty(NT, HV, dtype=torch.float32)
+    runtime.compile_kernel(plan.backward)(
+        kernel_operand(P), _fp32(conv_weight.reshape(C, K)), kernel_operand(positions), _fp32(A_log), _fp32(dt_bias),
+        kernel_operand(dq.to(P.dtype)), kernel_operand(dk.to(P.dtype)), kernel_operand(dv.to(P.dtype)), _fp32(dg),
+        _fp32(dbeta), dP, dweight_part, da_tokens, dA_log_tokens)
+    dweight = dweight_part.sum(0).reshape(conv_weight.shape).to(conv_weight.dtype)
+    return dweight, dA_log_tokens.sum(0).to(A_log.dtype), da_tokens.sum(0).to(dt_bias.dtype)
+
+
+def gated_norm_forward(o, P, layout, weight, eps):
+    """As `reference.layer_steps.gated_norm_forward`."""
+    plan = _ready(plan_gated_norm(layout, tl_dtype(P.dtype), eps))
+    y = torch.empty_like(o)
+    runtime.compile_kernel(plan.forward)(kernel_operand(o.to(P.dtype)), kernel_operand(P), _fp32(weight), y)
+    return y.view(o.shape[0], -1)
+
+
+def gated_norm_backward(dy, o, P, layout, weight, eps, dP):
+    """As `reference.layer_steps.gated_norm_backward`."""
+    plan = _ready(plan_gated_norm(layout, tl_dtype(P.dtype), eps))
+    NT = o.shape[0]
+    do = torch.empty_like(o)
+    dweight_part = P.new_empty(-(-NT // NORM_BLOCK_TOKENS), layout.num_v_heads, layout.head_v_dim,
+                               dtype=torch.float32)
+    runtime.compile_kernel(plan.backward)(kernel_operand(dy.reshape(o.shape).to(P.dtype)), kernel_operand(o),
+                                          kernel_operand(P), _fp32(weight), do, dP, dweight_part)
+    return do, dweight_part.sum((0, 1)).to(weight.dtype)

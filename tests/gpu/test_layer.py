@@ -1,0 +1,98 @@
+"""The layer's Hopper kernels around the op (`kernels/layer.py`) against their torch forms
+(`reference/layer_steps.py`), and the fused GatedDeltaNet layer against float64."""
+
+import pytest
+import torch
+
+from flash_qla_cp import GatedDeltaNet
+from flash_qla_cp.kernels import layer as kernel_steps
+from flash_qla_cp.reference import layer_steps as torch_steps
+from flash_qla_cp.reference.layer_steps import ProjectionLayout, token_positions
+from flash_qla_cp.testing import random_cu_seqlens, rel_err
+
+LENGTHS = [1, 0, 63, 64, 65, 2, 700, 1500]  # one block's tokens span several sequences
+CONFIGS = [  # (layout, dtype, allow_neg_eigval)
+    (ProjectionLayout.qwen3_next(2, 4, 128, 128), torch.bfloat16, False),
+    (ProjectionLayout.qwen3_5(2, 4, 64, 128), torch.float16, True),
+]
+
+
+def _params(lay, gen):
+    C = 2 * lay.num_heads * lay.head_k_dim + lay.num_v_heads * lay.head_v_dim
+    conv = torch.randn(C, 1, 4, generator=gen) * 0.5
+    A_log = torch.rand(lay.num_v_heads, generator=gen).mul(15).add(1).log()
+    dt_bias = torch.randn(lay.num_v_heads, generator=gen)
+    norm = 1 + 0.2 * torch.randn(lay.head_v_dim, generator=gen)
+    return [t.cuda() for t in (conv, A_log, dt_bias, norm)]
+
+
+@pytest.mark.parametrize("lay,dtype,neg", CONFIGS, ids=["qwen3_next_bf16", "qwen3_5_fp16_neg"])
+def test_layer_step_kernels_are_their_torch_forms(lay, dtype, neg):
+    gen = torch.Generator().manual_seed(0)
+    NT = sum(LENGTHS)
+    P = (torch.randn(NT, lay.width, generator=gen) * 2).to(dtype).cuda()
+    P[:5, lay.a_columns()] = torch.tensor([30.0, -30.0, 0.0, 19.9, 20.1], dtype=dtype).cuda()[:, None]  # softplus ends
+    conv, A_log, dt_bias, norm = _params(lay, gen)
+    positions = token_positions(1, NT, random_cu_seqlens(LENGTHS), "cuda")
+    HV = lay.num_v_heads
+    fwd = {}
+    for name, steps in (("kernel", kernel_steps), ("torch", torch_steps)):
+        fwd[name] = steps.op_inputs_forward(P, lay, conv, A_log, dt_bias, positions, neg)
+    for got, want in zip(fwd["kernel"], fwd["torch"]):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) < (1e-5 if got.dtype == torch.float32 else 2e-3)
+
+    grads = [torch.randn(t.shape, generator=gen).to(t.dtype).cuda() for t in fwd["torch"]]
+    o = torch.randn(NT, HV, lay.head_v_dim, generator=gen).to(dtype).cuda()
+    dy = torch.randn(NT, HV * lay.head_v_dim, generator=gen).to(dtype).cuda()
+    out = {}
+    for name, steps in (("kernel", kernel_steps), ("torch", torch_steps)):
+        dP = torch.full_like(P, float("nan"))
+        y = steps.gated_norm_forward(o, P, lay, norm, 1e-6)
+        do, dnorm = steps.gated_norm_backward(dy, o, P, lay, norm, 1e-6, dP)
+        dconv, dA, ddt = steps.op_inputs_backward(*grads, P, lay, conv, A_log, dt_bias, positions, neg, dP)
+        out[name] = dict(y=y, do=do, dnorm=dnorm, dP=dP, dconv=dconv, dA=dA, ddt=ddt)
+    for key, want in out["torch"].items():
+        got = out["kernel"][key]
+        assert got.shape == want.shape and got.dtype == want.dtype, key
+        assert rel_err(got, want) < (1e-4 if got.dtype == torch.float32 else 3e-3), key
+
+
+def _model(proj_layout, dtype, seed=0):
+    torch.manual_seed(seed)
+    m = GatedDeltaNet(512, 2, 4, 128, 128, proj_layout=proj_layout, device="cuda", dtype=torch.float32)
+    with torch.no_grad():
+        m.norm.weight.add_(0.2 * torch.randn_like(m.norm.weight))
+    return m.to(dtype)
+
+
+def _layer_outputs(m, x, cu, **kw):
+    x = x.detach().clone().requires_grad_(True)
+    m.zero_grad()
+    out = m(x, cu_seqlens=cu, **kw)
+    (out.double().square().sum() + out.double().sum()).backward()
+    return {"out": out.detach(), "dx": x.grad, **{n: p.grad for n, p in m.named_parameters()}}
+
+
+@pytest.mark.parametrize("proj_layout", ["qwen3_next", "qwen3_5"])
+def test_fused_layer_is_as_accurate_as_the_step_path_and_deterministic(proj_layout, monkeypatch):
+    """The bf16 layer through the fused kernels and through the step path (torch conv and norms
+    around the op), each against the float64 layer of the same weights: the fused one no worse
+    (within 10%) on the output and every gradient, and bitwise repeatable."""
+    m = _model(proj_layout, torch.bfloat16)
+    cu = random_cu_seqlens(LENGTHS, device="cuda")
+    x = torch.randn(1, sum(LENGTHS), 512, device="cuda").bfloat16()
+    fused = [_layer_outputs(m, x, cu) for _ in range(2)]
+    differ = [k for k in fused[0] if not torch.equal(fused[0][k], fused[1][k])]
+    assert not differ, f"not deterministic: {differ}"
+    reference = _model(proj_layout, torch.float64)
+    reference.load_state_dict(m.state_dict())
+    reference.backend = "torch"
+    want = _layer_outputs(reference, x.double(), cu)
+    with monkeypatch.context() as patch:
+        patch.setattr(GatedDeltaNet, "_fused_backend", lambda self, *args: None)
+        steps = _layer_outputs(m, x, cu)
+    fused_errs = {k: rel_err(fused[0][k], want[k]) for k in want}
+    step_errs = {k: rel_err(steps[k], want[k]) for k in want}
+    worse = {k: (fused_errs[k], step_errs[k]) for k in want if not fused_errs[k] <= 1.1 * step_errs[k] + 1e-4}
+    assert not worse, worse

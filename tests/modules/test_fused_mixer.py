@@ -1,0 +1,107 @@
+"""The fused layer (`modules/fused_mixer.py` with the torch forms of `reference/layer_steps.py`)
+against the layer's step-by-step path (torch autograd through conv, l2 norm, gates and norm), in
+float64: outputs and every gradient."""
+
+import pytest
+import torch
+
+from flash_qla_cp import GatedDeltaNet
+from flash_qla_cp.reference.layer_steps import ProjectionLayout, token_positions
+from flash_qla_cp.testing import random_cu_seqlens, rel_err
+
+D = 24
+
+
+def _layer(layout, neg, dk=8, dv=16, seed=0):
+    torch.manual_seed(seed)
+    m = GatedDeltaNet(D, 2, 4, dk, dv, proj_layout=layout, allow_neg_eigval=neg, backend="torch",
+                      dtype=torch.float64)
+    with torch.no_grad():  # every part of the layer should matter
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return m
+
+
+def _outputs_and_grads(m, x, h0, **kw):
+    x = x.detach().clone().requires_grad_(True)
+    h0 = h0.detach().clone().requires_grad_(True)
+    m.zero_grad()
+    out = m(x, initial_state=h0, **kw)
+    (out.square().sum() + out.sum()).backward()  # per-token terms: a sequence's part does not depend on packing
+    return {"out": out.detach(), "dx": x.grad, "dh0": h0.grad, **{n: p.grad for n, p in m.named_parameters()}}
+
+
+def _steps_path(m, x, h0):
+    """The step-by-step path: a padding mask of ones changes nothing but the path."""
+    return _outputs_and_grads(m, x, h0, attention_mask=torch.ones(x.shape[:2]))
+
+
+@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("neg", [False, True])
+def test_fused_layer_matches_the_step_path(layout, neg):
+    m = _layer(layout, neg)
+    x = torch.randn(2, 70, D, dtype=torch.float64)
+    h0 = torch.randn(2, 4, 8, 16, dtype=torch.float64)
+    got, want = _outputs_and_grads(m, x, h0), _steps_path(m, x, h0)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-12, name
+
+
+def test_fused_layer_on_packed_sequences_matches_each_sequence_alone():
+    """Zero-length, one-token and odd lengths: no conv tap and no state crosses a boundary."""
+    m = _layer("qwen3_next", False)
+    lengths = [3, 0, 17, 1, 2, 66]
+    x = torch.randn(1, sum(lengths), D, dtype=torch.float64)
+    h0 = torch.randn(len(lengths), 4, 8, 16, dtype=torch.float64)
+    got = _outputs_and_grads(m, x, h0, cu_seqlens=random_cu_seqlens(lengths))
+    start = 0
+    for i, n in enumerate(lengths):
+        if n:
+            alone = _steps_path(m, x[:, start:start + n], h0[i:i + 1])
+            assert rel_err(got["out"][:, start:start + n], alone["out"]) < 1e-12
+            assert rel_err(got["dx"][:, start:start + n], alone["dx"]) < 1e-12
+            assert rel_err(got["dh0"][i:i + 1], alone["dh0"]) < 1e-12
+        else:  # the state of an empty sequence passes through: its gradient is the final one's, 0 here
+            assert got["dh0"][i].abs().max() == 0
+        start += n
+
+
+@pytest.mark.parametrize("make", [ProjectionLayout.qwen3_next, ProjectionLayout.qwen3_5])
+def test_layout_columns_cover_each_projection_column_once(make):
+    """The backward fills dP from torch.empty: its steps must write every column exactly once."""
+    lay = make(2, 6, 16, 8)
+    cols = torch.cat([lay.conv_columns(), lay.z_columns(), lay.b_columns(), lay.a_columns()])
+    assert sorted(cols.tolist()) == list(range(lay.width))
+
+
+@pytest.mark.parametrize("proj_layout", ["qwen3_next", "qwen3_5"])
+def test_layout_matches_the_layer_parameters(proj_layout):
+    """Rows of the merged projection weight in the layout's places give the step path's q, k, v, z, b, a."""
+    m = _layer(proj_layout, False)
+    x = torch.randn(1, 5, D, dtype=torch.float64)
+    P = torch.nn.functional.linear(x, m._projection_weight())[0]
+    mixed, z, b, a = m._project(x)
+    lay = m.projection_layout
+    assert rel_err(P[:, lay.conv_columns()], mixed[0]) < 1e-14
+    assert rel_err(P[:, lay.z_columns()], z[0].reshape(5, -1)) < 1e-14
+    assert rel_err(P[:, lay.b_columns()], b[0]) < 1e-14 and rel_err(P[:, lay.a_columns()], a[0]) < 1e-14
+
+
+def test_token_positions():
+    assert token_positions(2, 3, None, "cpu").tolist() == [0, 1, 2, 0, 1, 2]
+    cu = random_cu_seqlens([2, 0, 1, 3])
+    assert token_positions(1, 6, cu, "cpu").tolist() == [0, 1, 0, 0, 1, 2]
+
+
+def test_fused_layer_keeps_no_op_inputs_between_forward_and_backward():
+    """q, k, v, g, beta are recomputed in the backward: the saved tensors are P, o, the parameters,
+    the initial state and the token positions."""
+    m = _layer("qwen3_next", False)
+    x = torch.randn(1, 40, D, dtype=torch.float64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        m(x)
+    C = 2 * 2 * 8 + 4 * 16
+    # x (by the projection and out_proj's input); P; o; conv weight etc.: no [1, 40, C]-sized op inputs
+    assert (1, 40, C) not in saved and (40, 2, 8) not in saved and (1, 40, 2, 8) not in saved
