@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..constants import CHUNK
+from ..constants import CHUNK, KERNEL_GATE_FLOOR
 from ..options import DEFAULT_OPTIONS, KernelOptions
 from . import runtime, split
 from .forward import ForwardSaved, run_prepare
@@ -267,6 +267,9 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
         if use_h0:
             dh0.copy_(dhtf if use_dht else torch.zeros_like(dh0))
 
+    # a gate below the kernels' floor was read as the floor: its gradient is 0 (not the rounding
+    # residue of the chunk's reverse sum)
+    dg = torch.where(flat(g, HV) < KERNEL_GATE_FLOOR, 0.0, dg)
     dg, db = as_dtype(dg, g.dtype), as_dtype(db, beta.dtype)
     if B > 1:
         dq, dk, dv = dq.reshape(B, Tn, H, K), dk.reshape(B, Tn, H, K), dv.reshape(B, Tn, HV, V)

@@ -38,6 +38,7 @@ class Case:
     state_v_first: bool = False
     intra_cp: object = "off"
     slow_heads: bool = False  # three slowly decaying heads: warm-ups of many chunks in a split
+    resets: bool = False  # g = -inf (a reset), -1e30, -1e4 and -100 at scattered tokens of two heads
     seed: int = 0
     gates: dict = field(default_factory=dict, hash=False)  # extra make_gdn_inputs arguments
 
@@ -61,6 +62,11 @@ def make_inputs(case: Case) -> Inputs:
     if case.slow_heads:  # about -0.2, -0.6, -2 per chunk
         n = max(0, min(3, case.HV - 1))
         x["g"][..., 1:1 + n] *= torch.tensor([0.003, 0.01, 0.03], dtype=torch.float64)[:n]
+    if case.resets:
+        idx = torch.randperm(T, generator=gen)[: max(8, T // 50)]
+        extremes = torch.tensor([float("-inf"), -1e30, -1e4, -100.0], dtype=torch.float64)
+        x["g"][:, idx, 0] = extremes.repeat(len(idx) // 4 + 1)[: len(idx)]
+        x["g"][:, idx.flip(0), min(2, case.HV - 1)] = float("-inf")
     N = len(case.lengths)
     h0 = torch.randn(N, case.HV, case.K, case.V, generator=gen, dtype=torch.float64) * 0.1
     do = torch.randn(1, T, case.HV, case.V, generator=gen, dtype=torch.float64)

@@ -40,6 +40,9 @@ CASES = {
     "split_k256_auto_stays_whole": Case((5000, 77), K=256, V=256, intra_cp="auto", slow_heads=True, seed=19),
     "split_tp8_dense_128k": Case((131072,), dense=True, intra_cp="auto", with_h0=False, slow_heads=True, seed=20),
     "split_tp8_varlen_128k": Case((100003, 31068, 1), intra_cp="auto", slow_heads=True, seed=21),
+    # resets (g = -inf) and gates down to -1e30: floored in the kernels, no NaN, exact to fp32
+    "resets_varlen": Case(ODD, resets=True, seed=22),
+    "resets_split_auto": Case((20000, 77, 4096), intra_cp="auto", slow_heads=True, resets=True, seed=23),
 }
 
 # the kept chunk states (default) and their recompute; the fused walk forced on and off
@@ -49,7 +52,7 @@ OPTIONS = {
     "fused_walk_on": {"kernel_options": KernelOptions(fused_walk="on")},
     "fused_walk_off": {"kernel_options": KernelOptions(fused_walk="off")},
 }
-QUICK = ("dense_b2_T300", "varlen_odd", "varlen_vfirst", "mha_no_states", "split_varlen_auto")
+QUICK = ("dense_b2_T300", "varlen_odd", "varlen_vfirst", "mha_no_states", "split_varlen_auto", "resets_varlen")
 
 
 @pytest.mark.parametrize("name", list(CASES))

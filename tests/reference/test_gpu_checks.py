@@ -15,6 +15,7 @@ SMALL = {
     "varlen_odd_zero": Case((1, 63, 0, 65, 130), H=1, HV=2, K=16, V=16),
     "dense_vfirst_no_dht": Case((70, 70), dense=True, H=1, HV=2, K=16, V=8, state_v_first=True, with_dht=False),
     "torch_split": Case((300,), H=1, HV=2, K=16, V=16, intra_cp=3, slow_heads=True),
+    "resets": Case((1, 63, 0, 65, 330), H=1, HV=3, K=16, V=16, resets=True),
 }
 
 

@@ -12,6 +12,7 @@ series M = D - E (D - E (D - E D)), E = D N, with tensor-core MMAs in `inv_dtype
 
 # (no `from __future__ import annotations`: TileLang evaluates the kernel signatures)
 
+from ...constants import KERNEL_GATE_FLOOR
 from .common import CHUNK, LOG2E, import_tilelang, tl_dtype
 
 
@@ -60,7 +61,9 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
                     k_s[i, d] = T.cast(0, dtype)
         for i in T.Parallel(C):
             if i < L:
-                g_s[i] = g[bb, t0 + i, bhv]
+                # floored (constants.KERNEL_GATE_FLOOR); a comparison keeps NaN gates NaN
+                g_s[i] = T.if_then_else(g[bb, t0 + i, bhv] < KERNEL_GATE_FLOOR, T.float32(KERNEL_GATE_FLOOR),
+                                        g[bb, t0 + i, bhv])
                 b_s[i] = beta[bb, t0 + i, bhv]
             else:
                 g_s[i] = T.float32(0)
