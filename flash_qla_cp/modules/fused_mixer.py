@@ -1,4 +1,4 @@
-"""The GatedDeltaNet layer between its projections as one autograd.Function: projection rows P in,
+"""The GatedDeltaNet layer between its projections as one autograd node: projection rows P in,
 gated-norm output (the input of out_proj) out.
 
     P [B, T, width] --op_inputs--> q, k (l2-normalised), v, g, beta --op--> o --gated_norm(z from P)--> y
@@ -8,22 +8,28 @@ the gates are one step (`op_inputs_forward`), the gated RMSNorm another; each re
 where the projection wrote them (`ProjectionLayout`), so nothing is split, concatenated or copied
 between the projection and the kernels, and the backward writes every column of one dP.
 
-Memory: the Function keeps P, o and the parameters; the backward recomputes q, k, v, g, beta
-from P (one pass over P) instead of holding them from the forward.
+Memory: the node keeps P, o and the parameters; the backward recomputes q, k, v, g, beta from P
+(one pass over P) instead of holding them from the forward.
 
 Steps: the Hopper kernels (`kernels/layer.py`) on the TileLang backend, their torch forms
-(`reference/layer_steps.py`) on the torch backend; both compute in the same order.
+(`reference/layer_steps.py`) on the torch backend or where the kernels do not reach (a conv wider
+than `kernels.layer.MAX_CONV_SIZE`); both compute in the same order.
+
+Eager calls run an autograd.Function, which hands the TileLang forward's kept chunk states to the
+backward; under torch.compile the same forward and backward run as registered custom ops
+(`flash_qla_cp::gdn_layer_mixer_fwd` / `_bwd`), the backward recomputing the chunk states.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 
 import torch
 
+from ..backends import choose_backend
 from ..kernels import layer as kernel_steps
-from ..ops import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
-from ..options import KernelOptions
+from ..ops import GDNContext, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from ..options import DEFAULT_OPTIONS, KernelOptions
 from ..reference import layer_steps as torch_steps
 from ..reference.layer_steps import ProjectionLayout, token_positions
 
@@ -36,63 +42,159 @@ class MixerConfig:
     allow_neg_eigval: bool
     norm_eps: float
     scale: float
-    backend: str  # 'torch' or 'tilelang', already chosen
+    backend: str  # 'torch' or 'tilelang' (chosen), or 'auto' (chosen per call, under torch.compile)
     intra_cp: object  # 'auto', 'off' or partitions per sequence (the TileLang split)
     save_states: bool
     kernel_options: KernelOptions | None = None
 
 
-def _steps(config: MixerConfig):
-    return kernel_steps if config.backend == "tilelang" else torch_steps
+def _resolved(config: MixerConfig, P) -> MixerConfig:
+    if config.backend in ("torch", "tilelang"):
+        return config
+    lay = config.layout
+    return replace(config, backend=choose_backend(config.backend, P[..., : lay.head_k_dim],
+                                                  P[..., : lay.head_v_dim]))
+
+
+def _steps(config: MixerConfig, conv_weight):
+    kernels_reach = conv_weight.shape[-1] <= kernel_steps.MAX_CONV_SIZE
+    return kernel_steps if config.backend == "tilelang" and kernels_reach else torch_steps
+
+
+def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig):
+    """(y [B, T, HV * dv], o [B, T, HV, dv], the op's context without its inputs, token positions)."""
+    B, T, width = P.shape
+    lay = config.layout
+    steps = _steps(config, conv_weight)
+    rows = P.view(B * T, width)
+    positions = token_positions(B, T, cu_seqlens, P.device)
+    q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
+                                               config.allow_neg_eigval)
+    o, _, gdn = chunk_gated_delta_rule_fwd(
+        q.view(B, T, lay.num_heads, -1), k.view(B, T, lay.num_heads, -1), v.view(B, T, lay.num_v_heads, -1),
+        g.view(B, T, -1), beta.view(B, T, -1), scale=config.scale, initial_state=initial_state,
+        cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp, save_states=config.save_states,
+        kernel_options=config.kernel_options)
+    y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
+    # the op's inputs are recomputed from P in the backward (identical values), not kept
+    gdn = replace(gdn, q=None, k=None, v=None, g=None, beta=None, initial_state=None)
+    return y.view(B, T, -1), o, gdn, positions
+
+
+def _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions, gdn: GDNContext,
+              config: MixerConfig):
+    """(dP, d conv_weight, d A_log, d dt_bias, d norm_weight, d initial_state or None)."""
+    lay = config.layout
+    steps = _steps(config, conv_weight)
+    B, T, width = P.shape
+    rows = P.view(B * T, width)
+    dP = torch.empty_like(rows)  # the two steps' backwards write every column
+    do, dnorm_weight = steps.gated_norm_backward(dy.reshape(B * T, -1), o.view(B * T, lay.num_v_heads, -1), rows,
+                                                 lay, norm_weight, config.norm_eps, dP)
+    q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
+                                               config.allow_neg_eigval)
+    gdn = replace(gdn, q=q.view(B, T, lay.num_heads, -1), k=k.view(B, T, lay.num_heads, -1),
+                  v=v.view(B, T, lay.num_v_heads, -1), g=g.view(B, T, -1), beta=beta.view(B, T, -1),
+                  initial_state=initial_state)
+    dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.view(B, T, lay.num_v_heads, -1), None, gdn)
+    dconv, dA_log, ddt_bias = steps.op_inputs_backward(
+        dq.reshape(B * T, lay.num_heads, -1), dk.reshape(B * T, lay.num_heads, -1),
+        dv.reshape(B * T, lay.num_v_heads, -1), dg.reshape(B * T, -1), dbeta.reshape(B * T, -1), rows, lay,
+        conv_weight, A_log, dt_bias, positions, config.allow_neg_eigval, dP)
+    return dP.view(B, T, width), dconv, dA_log, ddt_bias, dnorm_weight, dh0
 
 
 class FusedMixer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig):
-        B, T, width = P.shape
-        lay = config.layout
-        steps = _steps(config)
-        rows = P.view(B * T, width)
-        positions = token_positions(B, T, cu_seqlens, P.device)
-        q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
-                                                   config.allow_neg_eigval)
-        o, _, gdn = chunk_gated_delta_rule_fwd(
-            q.view(B, T, lay.num_heads, -1), k.view(B, T, lay.num_heads, -1), v.view(B, T, lay.num_v_heads, -1),
-            g.view(B, T, -1), beta.view(B, T, -1), scale=config.scale, initial_state=initial_state,
-            cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp, save_states=config.save_states,
-            kernel_options=config.kernel_options)
-        y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
-        # the op's inputs are recomputed from P in the backward (identical values), not kept
-        ctx.gdn = replace(gdn, q=None, k=None, v=None, g=None, beta=None, initial_state=None)
+        config = _resolved(config, P)
+        y, o, ctx.gdn, positions = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
+                                            config)
         ctx.config = config
         ctx.save_for_backward(P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions)
-        return y.view(B, T, -1)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions = ctx.saved_tensors
-        config = ctx.config
-        lay = config.layout
-        steps = _steps(config)
-        B, T, width = P.shape
-        rows = P.view(B * T, width)
-        dP = torch.empty_like(rows)  # the two steps' backwards write every column
-        do, dnorm_weight = steps.gated_norm_backward(dy.reshape(B * T, -1), o.view(B * T, lay.num_v_heads, -1), rows,
-                                                     lay, norm_weight, config.norm_eps, dP)
-        q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
-                                                   config.allow_neg_eigval)
-        gdn = replace(ctx.gdn, q=q.view(B, T, lay.num_heads, -1), k=k.view(B, T, lay.num_heads, -1),
-                      v=v.view(B, T, lay.num_v_heads, -1), g=g.view(B, T, -1), beta=beta.view(B, T, -1),
-                      initial_state=initial_state)
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.view(B, T, lay.num_v_heads, -1), None, gdn)
-        dconv, dA_log, ddt_bias = steps.op_inputs_backward(
-            dq.reshape(B * T, lay.num_heads, -1), dk.reshape(B * T, lay.num_heads, -1),
-            dv.reshape(B * T, lay.num_v_heads, -1), dg.reshape(B * T, -1), dbeta.reshape(B * T, -1), rows, lay,
-            conv_weight, A_log, dt_bias, positions, config.allow_neg_eigval, dP)
-        return dP.view(B, T, width), dconv, dA_log, ddt_bias, dnorm_weight, dh0, None, None
+        grads = _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions, ctx.gdn,
+                          ctx.config)
+        return (*grads, None, None)
+
+
+# ---- the same under torch.compile: custom ops with tensors and plain values only ---------------
+
+
+def _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, P) -> MixerConfig:
+    intra = intra_cp if intra_cp in ("auto", "off") else int(intra_cp)
+    return _resolved(MixerConfig(ProjectionLayout(*layout), allow_neg_eigval, norm_eps, scale, backend, intra, False),
+                     P)
+
+
+@torch.library.custom_op("flash_qla_cp::gdn_layer_mixer_fwd", mutates_args=())
+def mixer_fwd(P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+              norm_weight: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+              layout: list[int], allow_neg_eigval: bool, norm_eps: float, scale: float, backend: str, intra_cp: str
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    config = _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, P)
+    y, o, _, _ = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config)
+    return y, o
+
+
+@mixer_fwd.register_fake
+def _(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, layout, allow_neg_eigval, norm_eps,
+      scale, backend, intra_cp):
+    lay = ProjectionLayout(*layout)
+    B, T, _ = P.shape
+    return P.new_empty(B, T, lay.num_v_heads * lay.head_v_dim), P.new_empty(B, T, lay.num_v_heads, lay.head_v_dim)
+
+
+@torch.library.custom_op("flash_qla_cp::gdn_layer_mixer_bwd", mutates_args=())
+def mixer_bwd(dy: torch.Tensor, P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+              norm_weight: torch.Tensor, o: torch.Tensor, initial_state: torch.Tensor | None,
+              cu_seqlens: torch.Tensor | None, layout: list[int], allow_neg_eigval: bool, norm_eps: float, scale: float,
+              backend: str, intra_cp: str) -> list[torch.Tensor]:
+    config = _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, P)
+    B, T, _ = P.shape
+    # nothing kept from the forward: the op's backward recomputes its chunk states
+    gdn = GDNContext(None, None, None, None, None, None, cu_seqlens, scale, False, False, config.backend,
+                     DEFAULT_OPTIONS)
+    grads = _backward(dy.contiguous(), P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
+                      token_positions(B, T, cu_seqlens, P.device), gdn, config)
+    dh0 = grads[-1]
+    return [*grads[:-1], dh0 if dh0 is not None else P.new_empty(0)]
+
+
+@mixer_bwd.register_fake
+def _(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, cu_seqlens, layout, allow_neg_eigval,
+      norm_eps, scale, backend, intra_cp):
+    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else P.new_empty(0)
+    return [P.new_empty(P.shape), conv_weight.new_empty(conv_weight.shape), A_log.new_empty(A_log.shape),
+            dt_bias.new_empty(dt_bias.shape), norm_weight.new_empty(norm_weight.shape), dh0]
+
+
+def _setup_context(ctx, inputs, output):
+    P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, *values = inputs
+    ctx.save_for_backward(P, conv_weight, A_log, dt_bias, norm_weight, output[1], initial_state, cu_seqlens)
+    ctx.values = values
+
+
+def _op_backward(ctx, dy, _do):
+    P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, cu_seqlens = ctx.saved_tensors
+    dP, dconv, dA_log, ddt_bias, dnorm, dh0 = mixer_bwd(dy, P, conv_weight, A_log, dt_bias, norm_weight, o,
+                                                        initial_state, cu_seqlens, *ctx.values)
+    return (dP, dconv, dA_log, ddt_bias, dnorm, dh0 if initial_state is not None else None, *([None] * 7))
+
+
+mixer_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def fused_mixer(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig, initial_state=None,
                 cu_seqlens=None) -> torch.Tensor:
     """P [B, T, width] (B == 1 with cu_seqlens) -> the gated-norm output [B, T, HV * dv]."""
+    if torch.compiler.is_compiling():
+        y, _ = mixer_fwd(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
+                         list(astuple(config.layout)), config.allow_neg_eigval, float(config.norm_eps),
+                         float(config.scale), config.backend, str(config.intra_cp))
+        return y
     return FusedMixer.apply(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config)

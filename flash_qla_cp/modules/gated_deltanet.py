@@ -16,8 +16,8 @@ proj_layout='qwen3_5' (Qwen3.5): in_proj_qkv [2*H*dk + HV*dv, D] (all q, all k, 
 
 A "group" is the r = HV / H value heads that read key head h (v head index h*r + j).
 
-Two paths. Training-style calls (dense or packed, no mask, no cache, not under CP or
-torch.compile) run fused: the projections as one matmul, then `fused_mixer` (conv, l2 norm and
+Two paths. Training-style calls (dense or packed, no mask, no cache, not under CP; eager or
+compiled) run fused: the projections as one matmul, then `fused_mixer` (conv, l2 norm and
 gates in one step, the op, the gated norm in another) and out_proj. Every other call takes the
 step path: the projections split, `short_conv`, `_gates`, `_core`, the norm, each a torch op.
 
@@ -36,7 +36,6 @@ import torch.nn.functional as F
 
 from ..api import chunk_gated_delta_rule
 from ..backends import choose_backend
-from ..kernels.layer import MAX_CONV_SIZE
 from ..parallel.conv_halo import exchange_conv_halo
 from ..reference.chunked import compute_dtype
 from ..reference.layer_steps import ProjectionLayout
@@ -295,19 +294,16 @@ class GatedDeltaNet(nn.Module):
     def _fused_backend(self, x, attention_mask, conv_state, output_final_state, cp_context):
         """The op backend for the fused layer (`fused_mixer.py`), or None where this call takes the
         step-by-step path: under CP, with padding masks, caches or final states, single tokens
-        (decoding), inside torch.compile (the steps are registered custom ops there), the torch
-        backend's own intra-card split, or a conv wider than the kernels take."""
+        (decoding), or with the torch backend's own intra-card split (partitions asked for). Under
+        torch.compile the backend is chosen inside the fused layer's custom op."""
         if (cp_context is not None or attention_mask is not None or conv_state is not None or output_final_state
-                or x.shape[1] <= 1 or torch.compiler.is_compiling()):
+                or x.shape[1] <= 1):
             return None
-        qk_like = x.new_empty(0, self.head_k_dim)
-        v_like = x.new_empty(0, self.head_v_dim)
-        backend = choose_backend(self.backend, qk_like, v_like)
-        if backend == "torch" and self.intra_cp not in ("auto", "off"):
-            return None
-        if backend == "tilelang" and self.conv_size > MAX_CONV_SIZE:
-            return None
-        return backend
+        split_asked = self.intra_cp not in ("auto", "off")
+        if torch.compiler.is_compiling():
+            return None if split_asked else self.backend
+        backend = choose_backend(self.backend, x.new_empty(0, self.head_k_dim), x.new_empty(0, self.head_v_dim))
+        return None if backend == "torch" and split_asked else backend
 
     def _fused_mix(self, x, cu_seqlens, recurrent_state, backend):
         P = F.linear(x, self._projection_weight())

@@ -1,6 +1,8 @@
 """torch.compile(fullgraph=True) over the op and the layer, forward and backward, on the torch
-backend: the op goes through its torch.library custom ops (library_ops.py), with no graph break,
-and gives eager's results."""
+backend: the op and the fused layer go through their torch.library custom ops (library_ops.py,
+modules/fused_mixer.py), with no graph break, and give eager's results."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -62,3 +64,34 @@ def test_custom_ops_pass_opcheck():
     bwd_args = (do, torch.randn(2, 2, 8, 8), *(t.detach() for t in x.values()), h0.detach(), cu, 0.3, False, False,
                 "torch", "auto", True, True)
     torch.library.opcheck(gdn_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("inputs", ["dense", "packed"])
+def test_compiled_layer_runs_the_fused_layer_op(inputs, monkeypatch):
+    """Training-style calls of the compiled layer run the fused layer's custom op (forward and
+    backward), not the step path."""
+    from flash_qla_cp.modules import fused_mixer
+
+    calls = []
+    for name in ("_forward", "_backward"):
+        real = getattr(fused_mixer, name)
+        monkeypatch.setattr(fused_mixer, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    torch.manual_seed(0)
+    m = GatedDeltaNet(32, 2, 4, 8, 8, backend="torch").double()
+    kw = {"packed": dict(cu_seqlens=random_cu_seqlens([30, 40]))}.get(inputs, {})
+    x = torch.randn(1 if kw else 2, 70, 32, dtype=torch.float64, requires_grad=True)
+    torch.compile(m, fullgraph=True)(x, **kw).square().sum().backward()
+    assert calls == ["_forward", "_backward"]
+
+
+def test_fused_layer_ops_pass_opcheck():
+    from flash_qla_cp.modules import fused_mixer
+
+    torch.manual_seed(0)
+    m = GatedDeltaNet(32, 2, 4, 8, 8, backend="torch")
+    P = torch.randn(1, 50, m.projection_layout.width, requires_grad=True)
+    h0 = torch.randn(2, 4, 8, 8, requires_grad=True)
+    args = (P, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight, h0, random_cu_seqlens([20, 30]),
+            list(dataclasses.astuple(m.projection_layout)), False, 1e-6, 8**-0.5, "torch", "auto")
+    torch.library.opcheck(fused_mixer.mixer_fwd, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
