@@ -1,11 +1,13 @@
 """Compile the TileLang kernels of a model's GDN layers ahead of a job.
 
-    python -m flash_qla_cp.precompile --heads 16 --v-heads 32 --head-dim 128 [--dtype bf16] [--list]
+    python -m flash_qla_cp.precompile --heads 16 --v-heads 32 --head-dim 128 [--dtype bf16]
+        [--layer qwen3_next [--conv-size 4] [--norm-eps 1e-6] [--allow-neg-eigval]] [--list]
 
 Fills TileLang's kernel cache (TILELANG_CACHE_DIR, ~/.tilelang/cache by default) with every kernel
 the forward and backward plans may choose for that head configuration on this GPU: dense and
 packed batches of any number of sequences, with and without initial / final states, unsplit and
-split by the intra-card CP, kept chunk states or not, the fused or the three-kernel backward.
+split by the intra-card CP, kept chunk states or not, the fused or the three-kernel backward;
+with `--layer`, also `GatedDeltaNet`'s fused layer kernels for that projection layout.
 Calls then load their kernels from the cache instead of compiling them. `--list` prints the
 kernels without compiling (no GPU needed); `--sms` sets the SM count (default: the GPU's).
 """
@@ -21,6 +23,8 @@ import torch
 from .kernels import runtime
 from .kernels.backward import plan_backward
 from .kernels.forward import plan_forward
+from .kernels.layer import plan_gated_norm, plan_layer_inputs
+from .reference.layer_steps import ProjectionLayout
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # walks = sequences (or partitions) x 1: the plans' tiles change where a grid starts to fill the GPU
@@ -56,6 +60,17 @@ def head_config_specs(H: int, HV: int, K: int, V: int, dtype: str, sms: int) -> 
     return list(specs)
 
 
+LAYOUTS = {"qwen3_next": ProjectionLayout.qwen3_next, "qwen3_5": ProjectionLayout.qwen3_5}
+
+
+def layer_specs(H: int, HV: int, K: int, V: int, dtype: str, layout: str, conv_size: int, allow_neg_eigval: bool,
+                norm_eps: float) -> list:
+    """The fused GatedDeltaNet layer's kernels (`kernels/layer.py`) for one projection layout."""
+    lay = LAYOUTS[layout](H, HV, K, V)
+    return [*plan_layer_inputs(lay, conv_size, dtype, allow_neg_eigval).specs(),
+            *plan_gated_norm(lay, dtype, norm_eps).specs()]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flash_qla_cp.precompile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=int, required=True, help="q / k heads (H)")
@@ -64,6 +79,11 @@ def main(argv=None) -> int:
     ap.add_argument("--head-k-dim", type=int, default=None)
     ap.add_argument("--head-v-dim", type=int, default=None)
     ap.add_argument("--dtype", default="bf16", help="comma-separated: bf16, fp16")
+    ap.add_argument("--layer", choices=sorted(LAYOUTS), default=None,
+                    help="also the fused GatedDeltaNet layer's kernels for this projection layout")
+    ap.add_argument("--conv-size", type=int, default=4, help="the layer's short conv width (with --layer)")
+    ap.add_argument("--norm-eps", type=float, default=1e-6, help="the layer's gated RMSNorm eps (with --layer)")
+    ap.add_argument("--allow-neg-eigval", action="store_true", help="the layer's beta in (0, 2) (with --layer)")
     ap.add_argument("--sms", type=int, default=None, help="SM count (default: the GPU's)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--list", action="store_true", help="print the kernels, compile nothing")
@@ -78,6 +98,11 @@ def main(argv=None) -> int:
         ap.error("no GPU here: pass --sms (an H200 has 132) to list or compile for one")
     sms = args.sms or runtime.sm_count(torch.device("cuda"))
     specs = [s for d in args.dtype.split(",") for s in head_config_specs(H, HV, K, V, DTYPES[d], sms)]
+    if args.layer:
+        if not 2 <= args.conv_size <= 16:
+            ap.error(f"--conv-size must be 2 to 16 (the layer kernels' window), got {args.conv_size}")
+        specs += [s for d in args.dtype.split(",") for s in layer_specs(
+            H, HV, K, V, DTYPES[d], args.layer, args.conv_size, args.allow_neg_eigval, args.norm_eps)]
     if args.list:
         for spec in specs:
             print(spec.name, spec.kwargs)

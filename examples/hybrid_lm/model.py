@@ -28,7 +28,7 @@ import torch.utils.checkpoint
 
 from flash_qla_cp import GatedDeltaNet
 
-__all__ = ["HybridLMConfig", "HybridLM", "TokenLayout", "RMSNorm", "CausalSelfAttention", "SwiGLU"]
+__all__ = ["HybridLMConfig", "HybridLM", "TokenLayout", "RMSNorm", "CausalSelfAttention", "SwiGLU", "training_flops"]
 
 
 @dataclass
@@ -319,3 +319,33 @@ class HybridLM(nn.Module):
                 x = block(x, layout, positions, cu_local, cp_context)
         x = self.norm(x)
         return F.linear(x, self.lm_head_weight).float()
+
+
+GDN_CHUNK = 64  # the chunk of the op's chunked form (flash_qla_cp.constants.CHUNK)
+
+
+def training_flops(model: HybridLM, doc_lengths) -> float:
+    """Model FLOPs of one training step (forward and backward: 3 x the forward) over packed documents
+    of `doc_lengths` tokens, counting what the model computes, not what is re-run by checkpointing:
+
+    - every weight matmul: 2 FLOPs per weight element per token (the tied LM head included, the
+      embedding lookup not); the short conv likewise;
+    - the GDN core in its chunked form, per token and value head (C = 64): 6 K V for the state
+      (its read by q and k, its update), 2 C (2 K + V) + 2 C^2 inside the chunk (q k^T, the UT
+      transform, P v);
+    - causal attention: 2 x 2 x hidden per (query, key) pair of a document (L (L + 1) / 2 pairs).
+    """
+    cfg = model.config
+    tokens = sum(doc_lengths)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))
+    weights += model.lm_head_weight.numel()
+    forward = 2 * weights * tokens
+    C = GDN_CHUNK
+    for block in model.blocks:
+        if block.is_attention:
+            forward += 4 * cfg.hidden_size * sum(n * (n + 1) // 2 for n in doc_lengths)
+        else:
+            gdn = block.mixer
+            K, V = gdn.head_k_dim, gdn.head_v_dim
+            forward += tokens * gdn.num_v_heads * (6 * K * V + 2 * C * (2 * K + V) + 2 * C * C)
+    return 3.0 * forward

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from flash_qla_cp import CPContext
 
 from .data import IGNORE_INDEX, ByteTokenizer, DocumentPacker, PackedBatch
-from .model import HybridLM, HybridLMConfig
+from .model import HybridLM, HybridLMConfig, training_flops
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -108,10 +108,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0,
                    help="minutes a collective may wait for the other ranks before the job fails (a stalled "
                         "or failed rank then ends the run on every rank instead of hanging)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's dense bf16 peak, for the model FLOP utilisation (MFU) in the log; "
+                        "default: 989 on H100 / H200 with bf16, else no MFU")
     p.add_argument("--threads", type=_non_negative_int, default=1,
                    help="CPU threads per process (0: cores / local processes). 1 is the default: small CPU "
                         "ops gain little from more and collapse when the cores are shared")
     return p
+
+
+def peak_tflops(args, device: torch.device, bf16: bool):
+    """Dense bf16 TFLOP/s of one device for the MFU column: --peak-tflops, else H100 / H200 SXM's
+    989 when training in bf16, else None (no MFU printed)."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops
+    if device.type == "cuda" and bf16 and any(n in torch.cuda.get_device_name(device) for n in ("H100", "H200")):
+        return 989.0
+    return None
+
+
+def step_doc_lengths(batch: PackedBatch, dp: int) -> list[int]:
+    """Lengths of the documents of one global step (every DP row's)."""
+    rows = batch.split(dp) if dp > 1 else [batch]
+    return [n for row in rows for n in (row.cu_seqlens[1:] - row.cu_seqlens[:-1]).tolist()]
 
 
 # ----------------------------------------------------------------------------- distributed set-up
@@ -389,9 +408,10 @@ def _train(args, d: Dist) -> list[float]:
         f"hidden {cfg.hidden_size} | tokens/step {args.seq_len} | steps {start_step}->{args.steps}",
     )
 
+    peak = peak_tflops(args, d.device, use_bf16)
     losses: list[float] = []
     t0 = time.perf_counter()
-    t_last, tokens_since = t0, 0
+    t_last, tokens_since, flops_since = t0, 0, 0.0
     metrics = open(args.metrics_out, "a") if (args.metrics_out and d.rank == 0) else None
     try:
         for step in range(start_step, args.steps):
@@ -420,6 +440,7 @@ def _train(args, d: Dist) -> list[float]:
             global_loss = d.all_reduce_sum(loss_sum.detach().double().reshape(1)).item() / n_targets
             losses.append(global_loss)
             tokens_since += args.seq_len
+            flops_since += training_flops(model, step_doc_lengths(batch, d.dp))
             done = step + 1
             if metrics is not None:
                 metrics.write(json.dumps({"step": done, "loss": global_loss, "lr": lr}) + "\n")
@@ -431,9 +452,11 @@ def _train(args, d: Dist) -> list[float]:
                 tps = tokens_since / max(now - t_last, 1e-9)
                 window = losses[-(tokens_since // args.seq_len):]
                 mem = f" | peak GiB {torch.cuda.max_memory_allocated() / 2**30:.1f}" if d.device.type == "cuda" else ""
+                mfu = (f" | MFU {100 * flops_since / max(now - t_last, 1e-9) / (d.world * peak * 1e12):.1f}%"
+                       if peak else "")
                 _log(d, f"step {done:5d} | loss {global_loss:.4f} | avg {sum(window) / len(window):.4f} | lr {lr:.2e} | "
-                        f"tokens/s {tps:,.0f} | elapsed {now - t0:.1f}s{mem}")
-                t_last, tokens_since = now, 0
+                        f"tokens/s {tps:,.0f}{mfu} | elapsed {now - t0:.1f}s{mem}")
+                t_last, tokens_since, flops_since = now, 0, 0.0
             if args.save and args.save_every and done % args.save_every == 0 and done != args.steps:
                 save_checkpoint(args.save, model, optimizer, done, args, d)
         if args.save:

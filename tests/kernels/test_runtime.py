@@ -179,5 +179,6 @@ def test_precompile_lists_every_kernel_the_benchmark_calls_launch():
     missing = [s for s in launched if s not in listed]
     assert not missing, [(s.name, s.kwargs) for s in missing]
     assert main(["--heads", "2", "--v-heads", "4", "--head-dim", "64", "--sms", "132", "--list"]) == 0
+    assert main(["--heads", "2", "--v-heads", "4", "--sms", "132", "--layer", "qwen3_next", "--list"]) == 0
     with pytest.raises(SystemExit):
         main(["--heads", "3", "--v-heads", "4", "--sms", "132", "--list"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hybrid_lm.data import IGNORE_INDEX, ByteTokenizer, DocumentPacker, load_corpus, load_documents
-from hybrid_lm.model import HybridLM, HybridLMConfig
+from hybrid_lm.model import HybridLM, HybridLMConfig, training_flops
 from hybrid_lm.trainer import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,6 +152,26 @@ def test_loss_falls_on_the_tiny_config_in_one_process(tmp_path):
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert first > 5.0, losses  # ~ln(258) at initialisation
     assert last < first - 1.5, losses
+
+
+def test_model_flops_count_tokens_for_gdn_and_token_pairs_for_attention():
+    gdn_only = HybridLM(HybridLMConfig(hidden_size=64, num_layers=2, num_heads=2))
+    assert training_flops(gdn_only, [100, 300]) == training_flops(gdn_only, [400]) == 4 * training_flops(gdn_only, [100])
+    weights = sum(p.numel() for n, p in gdn_only.named_parameters()
+                  if "proj" in n or n.endswith(("conv1d.weight", "up.weight", "gate.weight", "down.weight")))
+    per_token = training_flops(gdn_only, [1])
+    assert 6 * (weights + gdn_only.embed.weight.numel()) < per_token < 6 * (weights + gdn_only.embed.weight.numel()) * 2
+    hybrid = HybridLM(HybridLMConfig(hidden_size=64, num_layers=2, num_heads=2, attn_every=2))
+    # one attention layer: the same tokens in one document cost the pairs' difference more
+    pairs = (400 * 401 // 2) - 2 * (200 * 201 // 2)
+    assert training_flops(hybrid, [400]) - training_flops(hybrid, [200, 200]) == 3 * 4 * 64 * pairs
+
+
+def test_log_shows_mfu_given_a_peak(capsys):
+    main([*TINY, "--steps", "2", "--peak-tflops", "0.001"])
+    assert "MFU" in capsys.readouterr().out
+    main([*TINY, "--steps", "2"])
+    assert "MFU" not in capsys.readouterr().out  # no peak known for a CPU
 
 
 def test_resume_continues_the_same_loss_curve(tmp_path):
