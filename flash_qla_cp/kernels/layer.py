@@ -70,7 +70,14 @@ def _inputs_plan(P, layout, conv_weight, allow_neg_eigval):
     return _ready(plan_layer_inputs(layout, conv_weight.shape[-1], tl_dtype(P.dtype), bool(allow_neg_eigval)))
 
 
-def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False):
+def _history(P, conv_weight, history):
+    """The conv history operand: given, or zeros where none is read (positions from 0)."""
+    if history is not None:
+        return kernel_operand(history.to(P.dtype))
+    return P.new_zeros(conv_weight.shape[-1] - 1, conv_weight.shape[0])
+
+
+def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False, history=None):
     """As `reference.layer_steps.op_inputs_forward` (P [NT, width] bf16 / fp16)."""
     plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval)
     NT, H, HV = P.shape[0], layout.num_heads, layout.num_v_heads
@@ -80,13 +87,14 @@ def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_n
     g = P.new_empty(NT, HV, dtype=torch.float32)
     beta = P.new_empty(NT, HV, dtype=torch.float32)
     runtime.compile_kernel(plan.forward)(
-        kernel_operand(P), _fp32(conv_weight.reshape(conv_weight.shape[0], -1)), kernel_operand(positions),
+        kernel_operand(P), _history(P, conv_weight, history), _fp32(conv_weight.reshape(conv_weight.shape[0], -1)),
+        kernel_operand(positions),
         _fp32(A_log), _fp32(dt_bias), q, k, v, g, beta)
     return q, k, v, g, beta
 
 
 def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval,
-                       dP):
+                       dP, history=None):
     """As `reference.layer_steps.op_inputs_backward`."""
     plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval)
     NT, HV = P.shape[0], layout.num_v_heads
@@ -95,12 +103,29 @@ def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout, conv_weight, A_log, dt_
     dweight_part = P.new_empty(blocks, C, K, dtype=torch.float32)
     da_tokens = P.new_empty(NT, HV, dtype=torch.float32)
     dA_log_tokens = P.new_empty(NT, HV, dtype=torch.float32)
+    dy_head = P.new_empty(K - 1, C, dtype=torch.float32)
+    weight = _fp32(conv_weight.reshape(C, K))
     runtime.compile_kernel(plan.backward)(
-        kernel_operand(P), _fp32(conv_weight.reshape(C, K)), kernel_operand(positions), _fp32(A_log), _fp32(dt_bias),
-        kernel_operand(dq.to(P.dtype)), kernel_operand(dk.to(P.dtype)), kernel_operand(dv.to(P.dtype)), _fp32(dg),
-        _fp32(dbeta), dP, dweight_part, da_tokens, dA_log_tokens)
+        kernel_operand(P), _history(P, conv_weight, history), weight, kernel_operand(positions), _fp32(A_log),
+        _fp32(dt_bias), kernel_operand(dq.to(P.dtype)), kernel_operand(dk.to(P.dtype)), kernel_operand(dv.to(P.dtype)),
+        _fp32(dg), _fp32(dbeta), dP, dweight_part, da_tokens, dA_log_tokens, dy_head)
     dweight = dweight_part.sum(0).reshape(conv_weight.shape).to(conv_weight.dtype)
-    return dweight, dA_log_tokens.sum(0).to(A_log.dtype), da_tokens.sum(0).to(dt_bias.dtype)
+    dhistory = _history_grad(dy_head, weight, positions).to(history.dtype) if history is not None else None
+    return dweight, dA_log_tokens.sum(0).to(A_log.dtype), da_tokens.sum(0).to(dt_bias.dtype), dhistory
+
+
+def _history_grad(dy_head, weight, positions):
+    """d history [W, C]: row h (the input W - h tokens before the first) reaches token h - j through
+    tap j, where that token continues the history (positions[u] == u + W)."""
+    W, C = dy_head.shape
+    n = min(W, positions.shape[0])
+    u = torch.arange(n, device=dy_head.device)
+    continues = (positions[:n] == u + W)[:, None]
+    dy = torch.cat([dy_head.new_zeros(1, C), dy_head[:n] * continues, dy_head.new_zeros(W - n, C)])  # row 0: none
+    h = torch.arange(W, device=dy_head.device)[:, None]
+    j = torch.arange(W + 1, device=dy_head.device)[None, :]
+    rows = torch.where(h >= j, h - j + 1, 0)  # [W, K]: dy row of token h - j, or the zero row
+    return torch.einsum("hjc,cj->hc", dy[rows], weight)
 
 
 def gated_norm_forward(o, P, layout, weight, eps):

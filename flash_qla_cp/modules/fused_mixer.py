@@ -56,8 +56,9 @@ def _resolved(config: MixerConfig, P) -> MixerConfig:
                                                   P[..., : lay.head_v_dim]))
 
 
-def _steps(config: MixerConfig, conv_weight):
-    kernels_reach = conv_weight.shape[-1] <= kernel_steps.MAX_CONV_SIZE
+def _steps(config: MixerConfig, conv_size: int = 0):
+    """The step implementations: the kernels on the TileLang backend where their conv window reaches."""
+    kernels_reach = conv_size <= kernel_steps.MAX_CONV_SIZE
     return kernel_steps if config.backend == "tilelang" and kernels_reach else torch_steps
 
 
@@ -65,7 +66,7 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     """(y [B, T, HV * dv], o [B, T, HV, dv], the op's context without its inputs, token positions)."""
     B, T, width = P.shape
     lay = config.layout
-    steps = _steps(config, conv_weight)
+    steps = _steps(config, conv_weight.shape[-1])
     rows = P.view(B * T, width)
     positions = token_positions(B, T, cu_seqlens, P.device)
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
@@ -85,7 +86,7 @@ def _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
               config: MixerConfig):
     """(dP, d conv_weight, d A_log, d dt_bias, d norm_weight, d initial_state or None)."""
     lay = config.layout
-    steps = _steps(config, conv_weight)
+    steps = _steps(config, conv_weight.shape[-1])
     B, T, width = P.shape
     rows = P.view(B * T, width)
     dP = torch.empty_like(rows)  # the two steps' backwards write every column
@@ -97,7 +98,7 @@ def _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
                   v=v.view(B, T, lay.num_v_heads, -1), g=g.view(B, T, -1), beta=beta.view(B, T, -1),
                   initial_state=initial_state)
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.view(B, T, lay.num_v_heads, -1), None, gdn)
-    dconv, dA_log, ddt_bias = steps.op_inputs_backward(
+    dconv, dA_log, ddt_bias, _ = steps.op_inputs_backward(
         dq.reshape(B * T, lay.num_heads, -1), dk.reshape(B * T, lay.num_heads, -1),
         dv.reshape(B * T, lay.num_v_heads, -1), dg.reshape(B * T, -1), dbeta.reshape(B * T, -1), rows, lay,
         conv_weight, A_log, dt_bias, positions, config.allow_neg_eigval, dP)

@@ -16,13 +16,12 @@ proj_layout='qwen3_5' (Qwen3.5): in_proj_qkv [2*H*dk + HV*dv, D] (all q, all k, 
 
 A "group" is the r = HV / H value heads that read key head h (v head index h*r + j).
 
-Two paths. Training-style calls (dense or packed, no mask, no cache, not under CP; eager or
-compiled) run fused: the projections as one matmul, then `fused_mixer` (conv, l2 norm and
-gates in one step, the op, the gated norm in another) and out_proj. Every other call takes the
-step path: the projections split, `short_conv`, `_gates`, `_core`, the norm, each a torch op.
-
-Context-parallel seam: the step path makes exactly one `short_conv(...)` call and one `_core(...)`
-call, both taking `cp_context`; the parallel package wraps or overrides those two.
+Two paths. Training-style calls (dense or packed, no mask, no cache; eager or compiled) run
+fused: the projections as one matmul, then `fused_mixer` (conv, l2 norm and gates in one step,
+the op, the gated norm in another) and out_proj; under context parallelism the two steps are
+autograd nodes around the CP op (`fused_cp_steps.py`, the conv halo exchanged inside). Every other
+call takes the step path: the projections split, `short_conv`, `_gates`, `_core`, the norm, each
+a torch op (under CP: `short_conv` exchanges the halo, `_core` takes `cp_context`).
 """
 
 from __future__ import annotations
@@ -38,9 +37,10 @@ from ..api import chunk_gated_delta_rule
 from ..backends import choose_backend
 from ..parallel.conv_halo import exchange_conv_halo
 from ..reference.chunked import compute_dtype
-from ..reference.layer_steps import ProjectionLayout
+from ..reference.layer_steps import ProjectionLayout, continued_positions, token_positions
 from ..reference.shapes import expand_qk_heads, l2norm
 from ..validation import is_intra_option
+from .fused_cp_steps import GatedNorm, LayerInputs
 from .fused_mixer import MixerConfig, fused_mixer
 from .hf_params import gdn_from_qwen3_next
 from .norm import GatedRMSNorm
@@ -292,23 +292,43 @@ class GatedDeltaNet(nn.Module):
         return torch.cat([p.weight for p in parts])
 
     def _fused_backend(self, x, attention_mask, conv_state, output_final_state, cp_context):
-        """The op backend for the fused layer (`fused_mixer.py`), or None where this call takes the
-        step-by-step path: under CP, with padding masks, caches or final states, single tokens
-        (decoding), or with the torch backend's own intra-card split (partitions asked for). Under
-        torch.compile the backend is chosen inside the fused layer's custom op."""
-        if (cp_context is not None or attention_mask is not None or conv_state is not None or output_final_state
-                or x.shape[1] <= 1):
+        """The op backend for the fused layer, or None where this call takes the step path: padding
+        masks, caches or final states, single tokens (decoding), the torch backend's own intra-card
+        split (partitions asked for), or CP under torch.compile. Under torch.compile the backend is
+        chosen inside the fused layer's custom op."""
+        if attention_mask is not None or conv_state is not None or output_final_state or x.shape[1] <= 1:
             return None
-        split_asked = self.intra_cp not in ("auto", "off")
+        split_asked = cp_context is None and self.intra_cp not in ("auto", "off")
         if torch.compiler.is_compiling():
-            return None if split_asked else self.backend
+            return None if split_asked or cp_context is not None else self.backend
         backend = choose_backend(self.backend, x.new_empty(0, self.head_k_dim), x.new_empty(0, self.head_v_dim))
         return None if backend == "torch" and split_asked else backend
 
+    def _mixer_config(self, backend) -> MixerConfig:
+        return MixerConfig(self.projection_layout, self.allow_neg_eigval, self.norm_eps, self.head_k_dim**-0.5,
+                           backend, self.intra_cp, self.save_states)
+
+    def _fused_cp_mix(self, x, cu_seqlens, recurrent_state, cp_context, backend):
+        """The fused steps around the CP op (`fused_cp_steps.py`): this rank's slice x [1, T, D]."""
+        P = F.linear(x, self._projection_weight())
+        T = x.shape[1]
+        positions = token_positions(1, T, cp_context.local_cu_seqlens(x.device), x.device)
+        if cp_context.first_continues:  # its conv reads the previous rank's last inputs
+            first, end, _ = cp_context.layout.segments[0]
+            positions = continued_positions(positions, end - first, self.conv_size - 1)
+        config = self._mixer_config(backend)
+        q, k, v, g, beta, z = LayerInputs.apply(P, self.conv1d.weight, self.A_log, self.dt_bias, positions, config,
+                                                cp_context)
+        if recurrent_state is not None:
+            recurrent_state = recurrent_state.to(compute_dtype(x))
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=config.scale, initial_state=recurrent_state,
+                                      cu_seqlens=cu_seqlens, backend=self.backend, save_states=self.save_states,
+                                      cp_context=cp_context)
+        return self.out_proj(GatedNorm.apply(o, z, self.norm.weight, config))
+
     def _fused_mix(self, x, cu_seqlens, recurrent_state, backend):
         P = F.linear(x, self._projection_weight())
-        config = MixerConfig(self.projection_layout, self.allow_neg_eigval, self.norm_eps, self.head_k_dim**-0.5,
-                             backend, self.intra_cp, self.save_states)
+        config = self._mixer_config(backend)
         if recurrent_state is not None:
             recurrent_state = recurrent_state.to(compute_dtype(x))
         y = fused_mixer(P, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, config, recurrent_state,
@@ -383,6 +403,8 @@ class GatedDeltaNet(nn.Module):
         if T == 0:  # nothing to mix: an empty output, the states handed on unchanged
             return self._empty_call(hidden_states, num_seqs, conv_state, recurrent_state, output_final_state)
         fused = self._fused_backend(hidden_states, attention_mask, conv_state, output_final_state, cp_context)
+        if fused is not None and cp_context is not None:
+            return self._fused_cp_mix(hidden_states, cu_seqlens, recurrent_state, cp_context, fused), None, None, None
         if fused is not None:
             return self._fused_mix(hidden_states, cu_seqlens, recurrent_state, fused), None, None, None
         keep = None

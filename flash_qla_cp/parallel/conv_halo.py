@@ -45,20 +45,33 @@ def _shift(x: torch.Tensor, cp: CPContext, forward: bool) -> torch.Tensor:
     return recv.to(out_device)
 
 
+def _mask_like(x: torch.Tensor, cp: CPContext, width: int) -> torch.Tensor:
+    return halo_mask(cp, width, x.device).to(x.dtype).view(1, width, *([1] * (x.dim() - 2)))
+
+
+def send_halo(tail: torch.Tensor, cp: CPContext) -> torch.Tensor:
+    """Forward half without autograd: tail [1, width, ...] (this rank's last conv inputs) goes to the
+    next rank; returns the previous rank's, zeroed where they belong to another sequence."""
+    halo = _shift(tail, cp, forward=True)
+    return halo * _mask_like(halo, cp, tail.shape[1])
+
+
+def return_halo_grad(dhalo: torch.Tensor, cp: CPContext) -> torch.Tensor:
+    """Backward half: the halo's gradient [1, width, ...] goes back to the previous rank; returns
+    the gradient of this rank's tail (what the next rank sent)."""
+    return _shift(dhalo * _mask_like(dhalo, cp, dhalo.shape[1]), cp, forward=False)
+
+
 class _Halo(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, cp, width):
         fctx.cp, fctx.width, fctx.T = cp, width, x.shape[1]
-        halo = _shift(x[:, x.shape[1] - width :], cp, forward=True)
-        mask = halo_mask(cp, width, x.device).to(x.dtype).view(1, width, *([1] * (x.dim() - 2)))
-        fctx.mask = mask
-        return halo * mask
+        return send_halo(x[:, x.shape[1] - width :], cp)
 
     @staticmethod
     def backward(fctx, dhalo):
-        back = _shift(dhalo * fctx.mask, fctx.cp, forward=False)
         dx = torch.zeros(dhalo.shape[0], fctx.T, *dhalo.shape[2:], dtype=dhalo.dtype, device=dhalo.device)
-        dx[:, fctx.T - fctx.width :] = back
+        dx[:, fctx.T - fctx.width :] = return_halo_grad(dhalo, fctx.cp)
         return dx, None, None
 
 

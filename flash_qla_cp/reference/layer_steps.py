@@ -14,7 +14,9 @@ in fp32 (float64 for a float64 model) from the stored inputs, rounded once when 
 
 Packed sequences are described per token by `positions` (int [NT]: the token's index inside its
 sequence): a conv tap t - s exists when positions[t] >= s, and t + s lies in the same sequence when
-positions[t + s] == positions[t] + s.
+positions[t + s] == positions[t] + s. `history` [K - 1, C] (optional) holds the conv inputs before
+the first token, read where the first sequence's positions count from K - 1 (context parallelism:
+the previous rank's last inputs, `continued_positions`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ class ProjectionLayout:
         b = z + value
         return cls(b + 2 * HV, H, HV, dk, dv, 0, dk, key, dk, 2 * key, r * dv, z, r * dv, b, r, b + HV, r)
 
+    def z_only(self) -> "ProjectionLayout":
+        """The layout of z alone, [NT, HV * dv] by v-head (the gated norm's view of a copied z)."""
+        r, dv = self.group, self.head_v_dim
+        return ProjectionLayout(self.num_v_heads * dv, self.num_heads, self.num_v_heads, self.head_k_dim, dv,
+                                0, 0, 0, 0, 0, 0, 0, r * dv, 0, 0, 0, 0)
+
     @property
     def group(self) -> int:
         return self.num_v_heads // self.num_heads
@@ -110,6 +118,23 @@ def token_positions(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, d
     lengths = cu[1:] - cu[:-1]
     starts = torch.repeat_interleave(cu[:-1], lengths, output_size=batch * seq_len)
     return (torch.arange(batch * seq_len, device=device) - starts).to(torch.int32)
+
+
+def continued_positions(positions: torch.Tensor, first_length: int, width: int) -> torch.Tensor:
+    """`positions` with the first sequence's `first_length` tokens counted from `width`
+    (= conv_size - 1): it continues a sequence whose last `width` conv inputs are the history."""
+    shifted = positions.clone()
+    shifted[:first_length] += width
+    return shifted
+
+
+def _with_history(x, positions, history):
+    """x, positions with the history rows in front (counted 0 .. W - 1)."""
+    if history is None:
+        return x, positions
+    W = history.shape[0]
+    return torch.cat([history.to(x.dtype), x]), torch.cat([torch.arange(W, device=x.device, dtype=positions.dtype),
+                                                           positions])
 
 
 def _shifted(x: torch.Tensor, s: int, positions: torch.Tensor) -> torch.Tensor:
@@ -158,13 +183,14 @@ def _split_heads(layout, x, NT):
             v.reshape(NT, layout.num_v_heads, layout.head_v_dim))
 
 
-def op_inputs_forward(P, layout: ProjectionLayout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False):
+def op_inputs_forward(P, layout: ProjectionLayout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False,
+                      history=None):
     """P [NT, width] -> q, k [NT, H, dk] (l2-normalised), v [NT, HV, dv] in P's dtype; g, beta [NT, HV]
     in the compute dtype (fp32, or float64 for float64 P)."""
     dtype = compute_dtype(P)
     NT = P.shape[0]
-    x = P[:, layout.conv_columns().to(P.device)].to(dtype)
-    y = F.silu(_conv(x, conv_weight.reshape(x.shape[1], -1).to(dtype), positions))
+    x, pos = _with_history(P[:, layout.conv_columns().to(P.device)].to(dtype), positions, history)
+    y = F.silu(_conv(x, conv_weight.reshape(x.shape[1], -1).to(dtype), pos)[x.shape[0] - NT :])
     q, k, v = _split_heads(layout, y, NT)
     q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
     k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
@@ -181,28 +207,30 @@ def _gates(P, layout, A_log, dt_bias, allow_neg_eigval, dtype):
 
 
 def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout: ProjectionLayout, conv_weight, A_log, dt_bias, positions,
-                       allow_neg_eigval, dP):
+                       allow_neg_eigval, dP, history=None):
     """Gradients of `op_inputs_forward`: writes the q, k, v, b, a columns of dP [NT, width] (P's
-    dtype) and returns (d conv_weight, d A_log, d dt_bias) in the parameters' dtypes."""
+    dtype) and returns (d conv_weight, d A_log, d dt_bias, d history or None) in the inputs' dtypes."""
     dtype = compute_dtype(P)
     NT = P.shape[0]
     cols = layout.conv_columns().to(P.device)
-    x = P[:, cols].to(dtype)
+    x, pos = _with_history(P[:, cols].to(dtype), positions, history)
+    W = x.shape[0] - NT  # history rows in front
     w = conv_weight.reshape(x.shape[1], -1).to(dtype)
-    y = _conv(x, w, positions)
+    y = _conv(x, w, pos)[W:]
     s = F.silu(y)
     sq, sk, _ = _split_heads(layout, s, NT)
     dsq = _l2norm_backward(sq, dq.to(dtype))
     dsk = _l2norm_backward(sk, dk.to(dtype))
     ds = torch.cat([dsq.reshape(NT, -1), dsk.reshape(NT, -1), dv.reshape(NT, -1).to(dtype)], dim=-1)
-    dy = ds * _silu_grad(y)
+    dy = torch.cat([ds.new_zeros(W, ds.shape[1]), ds * _silu_grad(y)])  # no outputs at the history rows
     K = w.shape[1]
     dx = torch.zeros_like(dy)
     dw = torch.empty_like(w)
     for i in range(K):
-        dx = dx + w[:, i] * _ahead(dy, K - 1 - i, positions)
-        dw[:, i] = (dy * _shifted(x, K - 1 - i, positions)).sum(0)
-    dP[:, cols] = dx.to(dP.dtype)
+        dx = dx + w[:, i] * _ahead(dy, K - 1 - i, pos)
+        dw[:, i] = (dy * _shifted(x, K - 1 - i, pos)).sum(0)
+    dP[:, cols] = dx[W:].to(dP.dtype)
+    dhistory = dx[:W].to(history.dtype) if history is not None else None
 
     a = P[:, layout.a_columns().to(P.device)].to(dtype)
     b = P[:, layout.b_columns().to(P.device)].to(dtype)
@@ -215,7 +243,8 @@ def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout: ProjectionLayout, conv_
     db = dbeta * (2.0 if allow_neg_eigval else 1.0) * sb * (1 - sb)
     dP[:, layout.a_columns().to(P.device)] = da.to(dP.dtype)
     dP[:, layout.b_columns().to(P.device)] = db.to(dP.dtype)
-    return dw.reshape(conv_weight.shape).to(conv_weight.dtype), dA_log.to(A_log.dtype), da.sum(0).to(dt_bias.dtype)
+    return (dw.reshape(conv_weight.shape).to(conv_weight.dtype), dA_log.to(A_log.dtype), da.sum(0).to(dt_bias.dtype),
+            dhistory)
 
 
 def gated_norm_forward(o, P, layout: ProjectionLayout, weight, eps):

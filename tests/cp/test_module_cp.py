@@ -1,4 +1,5 @@
-"""The GatedDeltaNet module under 2-rank CP (gloo; inter and dual) equals the single-process module."""
+"""The GatedDeltaNet module under 2-rank CP (gloo; inter and dual) equals the single-process module:
+the fused layer steps around the CP op, the conv halo exchanged in them (forward and backward)."""
 
 import torch
 import torch.distributed as dist
@@ -10,6 +11,15 @@ from flash_qla_cp.testing import random_cu_seqlens, rel_err
 
 # crossing the rank boundary at 160 tokens, one starting 2 tokens before it (partial conv halo)
 LENGTHS = [50, 108, 80, 2 + 78 + 2]
+
+
+def _reaches(fn, name, seen=None) -> bool:
+    """Whether the autograd graph below `fn` has a node called `name`."""
+    seen = set() if seen is None else seen
+    if fn is None or fn in seen:
+        return False
+    seen.add(fn)
+    return type(fn).__name__ == name or any(_reaches(nxt, name, seen) for nxt, _ in fn.next_functions)
 
 
 def _module_worker(rank, world):
@@ -33,6 +43,7 @@ def _module_worker(rank, world):
         cp = CPContext.build(cu, intra_cp=intra, intra_exact=True)
         xl = cp.local_slice(x).clone().requires_grad_(True)
         out = layer(xl, cu_seqlens=cu, cp_context=cp)
+        assert _reaches(out.grad_fn, "LayerInputsBackward")  # the fused steps around the CP op
         (out * cp.local_slice(dout)).sum().backward()
         errs[tag + " out"] = rel_err(out, cp.local_slice(ref_out))
         errs[tag + " dx"] = rel_err(xl.grad, cp.local_slice(ref_dx))

@@ -7,7 +7,7 @@ import torch
 from flash_qla_cp import GatedDeltaNet
 from flash_qla_cp.kernels import layer as kernel_steps
 from flash_qla_cp.reference import layer_steps as torch_steps
-from flash_qla_cp.reference.layer_steps import ProjectionLayout, token_positions
+from flash_qla_cp.reference.layer_steps import ProjectionLayout, continued_positions, token_positions
 from flash_qla_cp.testing import random_cu_seqlens, rel_err
 
 LENGTHS = [1, 0, 63, 64, 65, 2, 700, 1500]  # one block's tokens span several sequences
@@ -26,18 +26,26 @@ def _params(lay, gen):
     return [t.cuda() for t in (conv, A_log, dt_bias, norm)]
 
 
+@pytest.mark.parametrize("history", [False, True], ids=["", "cp_history"])
 @pytest.mark.parametrize("lay,dtype,neg", CONFIGS, ids=["qwen3_next_bf16", "qwen3_5_fp16_neg"])
-def test_layer_step_kernels_are_their_torch_forms(lay, dtype, neg):
+def test_layer_step_kernels_are_their_torch_forms(lay, dtype, neg, history):
+    """Both steps, forward and backward; with `history`, the first sequence continues the conv
+    inputs of a previous rank (context parallelism) and the history's gradient is compared too."""
     gen = torch.Generator().manual_seed(0)
-    NT = sum(LENGTHS)
+    lengths = [2, *LENGTHS[1:]] if history else LENGTHS  # 2 continuing tokens: fewer than the history
+    NT = sum(lengths)
     P = (torch.randn(NT, lay.width, generator=gen) * 2).to(dtype).cuda()
     P[:5, lay.a_columns()] = torch.tensor([30.0, -30.0, 0.0, 19.9, 20.1], dtype=dtype).cuda()[:, None]  # softplus ends
     conv, A_log, dt_bias, norm = _params(lay, gen)
-    positions = token_positions(1, NT, random_cu_seqlens(LENGTHS), "cuda")
+    positions = token_positions(1, NT, random_cu_seqlens(lengths), "cuda")
+    hist = None
+    if history:
+        hist = torch.randn(3, conv.shape[0], generator=gen).to(dtype).cuda()
+        positions = continued_positions(positions, lengths[0], 3)
     HV = lay.num_v_heads
     fwd = {}
     for name, steps in (("kernel", kernel_steps), ("torch", torch_steps)):
-        fwd[name] = steps.op_inputs_forward(P, lay, conv, A_log, dt_bias, positions, neg)
+        fwd[name] = steps.op_inputs_forward(P, lay, conv, A_log, dt_bias, positions, neg, history=hist)
     for got, want in zip(fwd["kernel"], fwd["torch"]):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert rel_err(got, want) < (1e-5 if got.dtype == torch.float32 else 2e-3)
@@ -50,8 +58,11 @@ def test_layer_step_kernels_are_their_torch_forms(lay, dtype, neg):
         dP = torch.full_like(P, float("nan"))
         y = steps.gated_norm_forward(o, P, lay, norm, 1e-6)
         do, dnorm = steps.gated_norm_backward(dy, o, P, lay, norm, 1e-6, dP)
-        dconv, dA, ddt = steps.op_inputs_backward(*grads, P, lay, conv, A_log, dt_bias, positions, neg, dP)
+        dconv, dA, ddt, dhist = steps.op_inputs_backward(*grads, P, lay, conv, A_log, dt_bias, positions, neg, dP,
+                                                         history=hist)
         out[name] = dict(y=y, do=do, dnorm=dnorm, dP=dP, dconv=dconv, dA=dA, ddt=ddt)
+        if history:
+            out[name]["dhistory"] = dhist
     for key, want in out["torch"].items():
         got = out["kernel"][key]
         assert got.shape == want.shape and got.dtype == want.dtype, key

@@ -217,3 +217,23 @@ def test_fused_layer_launches_its_step_kernels_around_the_op(proj_layout):
     assert names[0] == "build_layer_inputs_kernel" and names[-1] == "build_layer_inputs_bwd_kernel"
     assert len(names) > len(layer)  # the op's own kernels in between
     assert_launches_match_signatures(launches)
+
+
+@pytest.mark.parametrize("continuing", [3, 2, 0])
+def test_conv_history_gradient_from_the_kernels_first_rows(continuing):
+    """The host side of the history gradient (`kernels.layer._history_grad`, from the dy of the
+    first K - 1 tokens the backward kernel writes) against autograd through the conv's taps into
+    the history, where `continuing` first tokens continue it."""
+    from flash_qla_cp.kernels.layer import _history_grad
+
+    W, C = 3, 5
+    weight = torch.randn(C, W + 1, dtype=torch.float64)
+    dy_head = torch.randn(W, C, dtype=torch.float64)
+    positions = torch.tensor([W + i for i in range(continuing)] + list(range(6 - continuing)), dtype=torch.int32)
+    history = torch.randn(W, C, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(6, C, dtype=torch.float64)
+    ext = torch.cat([history, x])
+    y = torch.stack([sum(weight[:, j] * ext[t + j] for j in range(W + 1) if int(positions[t]) >= W - j)
+                     for t in range(W)])
+    (y * dy_head).sum().backward()
+    assert torch.allclose(_history_grad(dy_head, weight, positions), history.grad, atol=1e-12)

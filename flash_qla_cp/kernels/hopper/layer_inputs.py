@@ -8,8 +8,10 @@ l2 norm; a v-head block also forms that v-head's gates. Same arithmetic as
 `reference.layer_steps.op_inputs_forward` (fp32, rounded once when stored).
 
 A tap t - s exists when positions[t] >= s (the token's index in its sequence): packed sequences
-and batch rows never see each other, and taps before the first token read a clamped row that the
-mask drops.
+and batch rows never see each other. Taps before the first token read `history` [K - 1, C], the
+conv inputs before it: under context parallelism the previous rank's last ones, reached by
+counting the first sequence's positions from K - 1 (elsewhere positions start at 0 and the
+history is never read).
 """
 
 from .common import import_tilelang, tl_dtype
@@ -23,9 +25,9 @@ def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_o
                               k_offset: int, k_head_stride: int, v_offset: int, v_head_stride: int, b_offset: int,
                               b_head_stride: int, a_offset: int, a_head_stride: int, conv_size: int, dtype: str,
                               allow_neg_eigval: bool, block_tokens: int = 64):
-    """PrimFunc `gdn_layer_inputs(P, weight, positions, A_log, dt_bias, q, k, v, g, beta)`:
-    P [NT, width] dtype; weight [C, conv_size] fp32 (C = 2 H dk + HV dv, channels q, k, v);
-    positions [NT] int32; A_log, dt_bias [HV] fp32 -> q, k [NT, H, dk], v [NT, HV, dv] dtype,
+    """PrimFunc `gdn_layer_inputs(P, history, weight, positions, A_log, dt_bias, q, k, v, g, beta)`:
+    P [NT, width], history [conv_size - 1, C] dtype; weight [C, conv_size] fp32 (C = 2 H dk + HV dv,
+    channels q, k, v); positions [NT] int32; A_log, dt_bias [HV] fp32 -> q, k [NT, H, dk], v [NT, HV, dv] dtype,
     g, beta [NT, HV] fp32. Grid (ceil(NT / block_tokens), 2 H + HV), 256 threads."""
     _, T = import_tilelang()
     assert 2 <= conv_size <= WINDOW_ROWS, conv_size
@@ -40,10 +42,11 @@ def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_o
     NT = T.dynamic("num_tokens")
 
     @T.macro
-    def conv_silu(P, weight, positions, t0, col, chan, D, x_s, w_s, m_s, y_f):
+    def conv_silu(P, history, weight, positions, t0, col, chan, D, x_s, w_s, m_s, y_f):
         """y_f[i, d] = silu(sum_j w[chan + d, j] x[t0 + i - (W - j), col + d]) over the taps in the sequence."""
         for i, d in T.Parallel(BT + WINDOW_ROWS, D):
-            x_s[i, d] = P[T.max(T.min(t0 - W + i, NT - 1), 0), col + d]
+            x_s[i, d] = T.if_then_else(t0 - W + i >= 0, P[T.max(T.min(t0 - W + i, NT - 1), 0), col + d],
+                                       history[T.max(t0 + i, 0) % W, chan + d])
         for j, d in T.Parallel(K, D):
             w_s[j, d] = weight[chan + d, j]
         for i, j in T.Parallel(BT, K):
@@ -67,6 +70,7 @@ def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_o
     @T.prim_func
     def gdn_layer_inputs(
         P: T.Tensor((NT, width), dtype),
+        history: T.Tensor((W, C), dtype),
         weight: T.Tensor((C, K), acc),
         positions: T.Tensor((NT,), "int32"),
         A_log: T.Tensor((HV,), acc),
@@ -92,19 +96,19 @@ def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_o
                 wv_s = T.alloc_shared((K, dv), acc)
                 yv_f = T.alloc_fragment((BT, dv), acc)
             if slot < H:
-                conv_silu(P, weight, positions, t0, q_offset + slot * q_head_stride, slot * dk, dk, xk_s, wk_s, m_s,
+                conv_silu(P, history, weight, positions, t0, q_offset + slot * q_head_stride, slot * dk, dk, xk_s, wk_s, m_s,
                           yk_f)
                 store_normalised(q, slot, t0, yk_f, sq_f, ss_f)
             elif slot < 2 * H:
                 h = slot - H
-                conv_silu(P, weight, positions, t0, k_offset + h * k_head_stride, H * dk + h * dk, dk, xk_s, wk_s,
+                conv_silu(P, history, weight, positions, t0, k_offset + h * k_head_stride, H * dk + h * dk, dk, xk_s, wk_s,
                           m_s, yk_f)
                 store_normalised(k, h, t0, yk_f, sq_f, ss_f)
             else:
                 hv = slot - 2 * H
                 h = hv // r
                 j = hv % r
-                conv_silu(P, weight, positions, t0, v_offset + h * v_head_stride + j * dv, 2 * H * dk + hv * dv, dv,
+                conv_silu(P, history, weight, positions, t0, v_offset + h * v_head_stride + j * dv, 2 * H * dk + hv * dv, dv,
                           xv_s, wv_s, m_s, yv_f)
                 for i, d in T.Parallel(BT, dv):
                     if t0 + i < NT:

@@ -7,7 +7,9 @@ the pre-conv gradient dy at t .. t + K - 1, so a block recomputes the conv (y, s
 for its BT tokens and the LOOKAHEAD after them, forms dy there, and reads it back for the
 transposed conv; a tap t + s counts when positions[t + s] == positions[t] + s (same sequence).
 Parameter gradients are written per block (the conv weight's) or per token (A_log's, dt_bias's),
-in fp32, and summed on the host in a fixed order (deterministic). Same arithmetic as `reference.layer_steps.op_inputs_backward`.
+in fp32, and summed on the host in a fixed order (deterministic). The first block also writes dy of
+the first K - 1 tokens (dy_head), from which the host forms the gradient of the conv `history`
+(context parallelism). Same arithmetic as `reference.layer_steps.op_inputs_backward`.
 """
 
 from .common import import_tilelang, tl_dtype
@@ -20,11 +22,12 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
                                   k_offset: int, k_head_stride: int, v_offset: int, v_head_stride: int, b_offset: int,
                                   b_head_stride: int, a_offset: int, a_head_stride: int, conv_size: int, dtype: str,
                                   allow_neg_eigval: bool, block_tokens: int = 48):
-    """PrimFunc `gdn_layer_inputs_bwd(P, weight, positions, A_log, dt_bias, grad_q, grad_k, grad_v, dg, dbeta,
-    dP, dweight_part, da_tokens, dA_log_tokens)`: inputs as `build_layer_inputs_kernel` plus the
+    """PrimFunc `gdn_layer_inputs_bwd(P, history, weight, positions, A_log, dt_bias, grad_q, grad_k, grad_v, dg,
+    dbeta, dP, dweight_part, da_tokens, dA_log_tokens, dy_head)`: inputs as `build_layer_inputs_kernel` plus the
     gradients grad_q, grad_k [NT, H, dk], grad_v [NT, HV, dv] (dtype), dg, dbeta [NT, HV] fp32; writes the
     q, k, v, b, a columns of dP [NT, width] (dtype), dweight_part [blocks, C, conv_size] and, per
-    token, the terms of the dt_bias and A_log gradients, da_tokens and dA_log_tokens [NT, HV] (fp32). Grid (blocks = ceil(NT / block_tokens),
+    token, the terms of the dt_bias and A_log gradients, da_tokens and dA_log_tokens [NT, HV], and
+    dy_head [conv_size - 1, C] (fp32). Grid (blocks = ceil(NT / block_tokens),
     2 H + HV), 256 threads."""
     _, T = import_tilelang()
     assert 2 <= conv_size <= WINDOW_ROWS, conv_size
@@ -41,11 +44,12 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
     NB = T.dynamic("num_blocks")
 
     @T.macro
-    def conv_grad(P, weight, positions, grad, head, t0, bt, col, chan, D, normalise, dP, dweight_part,
-                  x_s, w_s, m_s, n_s, dy_s, y_f, s_f, dn_f, red_f, rs_f, dot_f, out_f, col_f):
+    def conv_grad(P, history, weight, positions, grad, head, t0, bt, col, chan, D, normalise, dP, dweight_part,
+                  dy_head, x_s, w_s, m_s, n_s, dy_s, y_f, s_f, dn_f, red_f, rs_f, dot_f, out_f, col_f):
         # the conv's inputs for tokens t0 - W .. t0 + E - 1 (clamped rows are masked below)
         for i, d in T.Parallel(E + WINDOW_ROWS, D):
-            x_s[i, d] = P[T.max(T.min(t0 - W + i, NT - 1), 0), col + d]
+            x_s[i, d] = T.if_then_else(t0 - W + i >= 0, P[T.max(T.min(t0 - W + i, NT - 1), 0), col + d],
+                                       history[T.max(t0 + i, 0) % W, chan + d])
         for j, d in T.Parallel(K, D):
             w_s[j, d] = weight[chan + d, j]
         for e, j in T.Parallel(E, K):  # tap j of token t0 + e exists
@@ -76,6 +80,9 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
         for e, d in T.Parallel(E, D):  # dy = ds * silu'(y)
             sig = T.float32(1) / (T.float32(1) + T.exp(-y_f[e, d]))
             dy_s[e, d] = dn_f[e, d] * sig * (T.float32(1) + y_f[e, d] * (T.float32(1) - sig))
+        for e, d in T.Parallel(E, D):
+            if bt == 0 and e < W:
+                dy_head[e, chan + d] = dy_s[e, d]
         T.clear(out_f)
         for j in T.unroll(K):
             for i, d in T.Parallel(BT, D):
@@ -93,6 +100,7 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
     @T.prim_func
     def gdn_layer_inputs_bwd(
         P: T.Tensor((NT, width), dtype),
+        history: T.Tensor((W, C), dtype),
         weight: T.Tensor((C, K), acc),
         positions: T.Tensor((NT,), "int32"),
         A_log: T.Tensor((HV,), acc),
@@ -106,6 +114,7 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
         dweight_part: T.Tensor((NB, C, K), acc),
         da_tokens: T.Tensor((NT, HV), acc),
         dA_log_tokens: T.Tensor((NT, HV), acc),
+        dy_head: T.Tensor((W, C), acc),
     ):
         with T.Kernel(T.ceildiv(NT, BT), 2 * H + HV, threads=256) as (bt, slot):
             t0 = bt * BT
@@ -134,20 +143,20 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
                 outv_f = T.alloc_fragment((BT, dv), acc)
                 colv_f = T.alloc_fragment((dv,), acc)
             if slot < H:
-                conv_grad(P, weight, positions, grad_q, slot, t0, bt, q_offset + slot * q_head_stride, slot * dk, dk, True,
-                          dP, dweight_part, xk_s, wk_s, m_s, n_s, dyk_s, yk_f, sk_f, dnk_f, redk_f, rs_f, dot_f,
+                conv_grad(P, history, weight, positions, grad_q, slot, t0, bt, q_offset + slot * q_head_stride, slot * dk, dk, True,
+                          dP, dweight_part, dy_head, xk_s, wk_s, m_s, n_s, dyk_s, yk_f, sk_f, dnk_f, redk_f, rs_f, dot_f,
                           outk_f, colk_f)
             elif slot < 2 * H:
                 h = slot - H
-                conv_grad(P, weight, positions, grad_k, h, t0, bt, k_offset + h * k_head_stride, H * dk + h * dk, dk,
-                          True, dP, dweight_part, xk_s, wk_s, m_s, n_s, dyk_s, yk_f, sk_f, dnk_f, redk_f, rs_f, dot_f,
+                conv_grad(P, history, weight, positions, grad_k, h, t0, bt, k_offset + h * k_head_stride, H * dk + h * dk, dk,
+                          True, dP, dweight_part, dy_head, xk_s, wk_s, m_s, n_s, dyk_s, yk_f, sk_f, dnk_f, redk_f, rs_f, dot_f,
                           outk_f, colk_f)
             else:
                 hv = slot - 2 * H
                 h = hv // r
                 j = hv % r
-                conv_grad(P, weight, positions, grad_v, hv, t0, bt, v_offset + h * v_head_stride + j * dv,
-                          2 * H * dk + hv * dv, dv, False, dP, dweight_part, xv_s, wv_s, m_s, n_s, dyv_s, yv_f, sv_f,
+                conv_grad(P, history, weight, positions, grad_v, hv, t0, bt, v_offset + h * v_head_stride + j * dv,
+                          2 * H * dk + hv * dv, dv, False, dP, dweight_part, dy_head, xv_s, wv_s, m_s, n_s, dyv_s, yv_f, sv_f,
                           dnv_f, None, None, None, outv_f, colv_f)
                 # gates: g = -exp(A_log) softplus(pre), pre = a + dt_bias; beta = beta_scale sigmoid(b)
                 for i in T.Parallel(BT):
