@@ -1,12 +1,13 @@
 """The Gated DeltaNet layer side by side: ours (`flash_qla_cp.GatedDeltaNet`) against FLA's
 (`fla.layers.GatedDeltaNet`, flash-linear-attention, its default dispatch: FlashQLA's kernels
-inside on Hopper), in one process on the same input.
+inside on Hopper), in one process on the same input; `ours_steps` is our layer forced onto its
+step-by-step path (torch conv, l2 norm, gates and norm around the op), the layer before fusion.
 
-    python benchmarks/bench_layer.py [--shapes qwen3_next_1x32k,...] [--libs ours,fla] [--no-compile]
+    python benchmarks/bench_layer.py [--shapes qwen3_next_1x32k,...] [--libs ours,ours_steps,fla] [--no-compile]
 
 For each shape: forward (no grad) and forward+backward (input and parameter gradients) median
 milliseconds, eager and under torch.compile, the peak memory of one fwd+bwd, and the error of our
-bf16 layer against the same layer in float64 (torch backend, the shape cut to --check-tokens),
+bf16 layer (fused and step by step) against the same layer in float64 (torch backend, the shape cut to --check-tokens),
 per output and parameter gradient. Writes bench_layer.json and bench_layer.md into --out
 (default $OUT, else benchmarks/results). `--device cpu --shapes tiny --libs ours` runs on a CPU
 (the torch backend) as a smoke test.
@@ -39,8 +40,11 @@ SHAPES = {
 
 def make_layer(lib, hidden, H, HV, D, device, dtype):
     torch.manual_seed(0)
-    if lib == "ours":
-        return GatedDeltaNet(hidden, H, HV, D, D).to(device=device, dtype=dtype)
+    if lib in ("ours", "ours_steps"):
+        layer = GatedDeltaNet(hidden, H, HV, D, D).to(device=device, dtype=dtype)
+        if lib == "ours_steps":  # the step-by-step path (torch conv, l2 norm, gates and norm around the op)
+            layer._fused_backend = lambda *args: None
+        return layer
     from fla.layers import GatedDeltaNet as FLAGatedDeltaNet
 
     return FLAGatedDeltaNet(hidden_size=hidden, expand_v=1.0, head_dim=D, num_heads=H, num_v_heads=HV,
@@ -48,7 +52,7 @@ def make_layer(lib, hidden, H, HV, D, device, dtype):
 
 
 def call(layer, lib, x, cu):
-    if lib == "ours":
+    if lib in ("ours", "ours_steps"):
         return layer(x, cu_seqlens=cu)
     return layer(x, cu_seqlens=cu)[0]  # FLA's layer returns (o, attentions, cache)
 
@@ -96,22 +100,24 @@ def timings(lib, shape, device, dtype, compiled):
 
 
 def accuracy(shape, device, dtype, tokens):
-    """Our layer in `dtype` against the same layer (same weights) in float64 on the torch backend,
-    per output and parameter gradient, on the first `tokens` tokens of the shape."""
+    """Our layer in `dtype`, fused and step by step, against the same layer (same weights) in float64
+    on the torch backend, per output and parameter gradient, on the first `tokens` tokens of the shape."""
     hidden, H, HV, D, B, _, _ = shape
-    ours = make_layer("ours", hidden, H, HV, D, device, dtype)
     ref = make_layer("ours", hidden, H, HV, D, device, torch.float64)
-    ref.load_state_dict({k: v.double() for k, v in ours.state_dict().items()})
     ref.backend = "torch"
     x = torch.randn(1, tokens, hidden, device=device, dtype=torch.float64)
     dy = torch.randn_like(x)
     outs = {}
-    for name, layer, xx in (("ours", ours, x.to(dtype)), ("ref", ref, x)):
-        xl = xx.clone().requires_grad_(True)
+    for name in ("ours", "ours_steps", "ref"):
+        layer = ref if name == "ref" else make_layer(name, hidden, H, HV, D, device, dtype)
+        if name != "ref":
+            ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+        xl = (x if name == "ref" else x.to(dtype)).clone().requires_grad_(True)
         y = layer(xl)
         y.backward(dy.to(y.dtype))
         outs[name] = {"y": y.detach(), "dx": xl.grad, **{"d" + n: p.grad for n, p in layer.named_parameters()}}
-    return {k: f"{rel_err(outs['ours'][k], outs['ref'][k]):.1e}" for k in outs["ref"]}
+    return {lib: {k: f"{rel_err(outs[lib][k], outs['ref'][k]):.1e}" for k in outs["ref"]}
+            for lib in ("ours", "ours_steps")}
 
 
 def versions():
@@ -134,16 +140,19 @@ def to_markdown(meta, rows):
         lines.append(f"| {r['shape']} | {r['lib']} | {r['mode']} | {r.get('fwd_ms', '-')} | {r.get('fwdbwd_ms', '-')} "
                      f"| {r.get('fwdbwd_peak_gib', '-')} | {r.get('error', '')[:120]} |")
     if meta.get("accuracy"):
-        lines += ["", f"Our layer in {meta['dtype']} against float64 (relative L2), per output and parameter gradient:", ""]
-        for shape, errs in meta["accuracy"].items():
-            lines.append(f"- {shape}: " + ", ".join(f"{k} {v}" for k, v in errs.items()))
+        lines += ["", f"Our layer in {meta['dtype']} against float64 (relative L2), per output and parameter gradient "
+                      "(ours: fused; ours_steps: the step-by-step path):", ""]
+        for shape, by_lib in meta["accuracy"].items():
+            for lib, errs in by_lib.items():
+                lines.append(f"- {shape}, {lib}: " + ", ".join(f"{k} {v}" for k, v in errs.items()))
     return "\n".join(lines) + "\n"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3_next_1x32k,qwen3_next_4x8k,qwen3_next_varlen8_32k,recipe_1x32k")
-    ap.add_argument("--libs", default="ours,fla")
+    ap.add_argument("--libs", default="ours,ours_steps,fla",
+                    help="ours (the fused layer), ours_steps (its step-by-step path), fla")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-compile", action="store_true", help="eager only")
     ap.add_argument("--check-tokens", type=int, default=4096, help="tokens of the accuracy check (0: none)")

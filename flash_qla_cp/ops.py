@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from .backends import choose_backend
-from .kernels.backward import tilelang_backward
+from .kernels import runtime
+from .kernels.backward import plan_backward, tilelang_backward
 from .kernels.forward import tilelang_forward
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .reference.backward import chunk_gated_delta_rule_bwd_reference
@@ -67,12 +68,29 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
             o, final_state, ctx.kernel_saved = tilelang_forward(
                 qn, kn, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first=state_v_first,
                 intra_cp=intra_cp, cu_seqlens_host=cu_seqlens_cpu, save_states=save_states, options=options,
+                backward_plan=_training_backward_plan(q, v, scale, initial_state, options)
+                if save_states and not output_final_state else None,
             )
         else:
             o, final_state = chunk_gated_delta_rule_torch(
                 qn, kn, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first=state_v_first
             )
     return o, final_state, ctx
+
+
+def _training_backward_plan(q, v, scale, initial_state, options: KernelOptions):
+    """The plan the TileLang backward will choose after a forward that keeps its states for it
+    and returns no final state (so no final-state gradient): `tilelang_forward` compiles it with
+    its own on first use."""
+    if not options.tilelang_backward:
+        return None
+    H, K, HV, V = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+
+    def plan(walks, split_seqs, states_saved):
+        return plan_backward(H, HV, K, V, q.dtype, float(scale), initial_state is not None, False, walks,
+                             runtime.sm_count(q.device), split_seqs, states_saved, options)
+
+    return plan
 
 
 def _through_l2norm(ctx: GDNContext, backward):

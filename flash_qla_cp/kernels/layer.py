@@ -57,6 +57,12 @@ def plan_gated_norm(layout, dtype: str, eps: float) -> StepPlan:
                     KernelSpec.of(build_gated_norm_bwd_kernel, **params))
 
 
+def compile_layer(layout, conv_size: int, dtype, allow_neg_eigval: bool, norm_eps: float) -> None:
+    """Both steps' kernels (forward and backward) compiled together, on the layer's first call."""
+    runtime.compile_plan(plan_layer_inputs(layout, conv_size, tl_dtype(dtype), bool(allow_neg_eigval)),
+                         plan_gated_norm(layout, tl_dtype(dtype), norm_eps))
+
+
 def _ready(plan: StepPlan) -> StepPlan:
     runtime.compile_plan(plan)
     return plan

@@ -169,13 +169,14 @@ def precompile(specs, num_workers: int = 8) -> int:
     return len(todo)
 
 
-def compile_plan(plan) -> None:
+def compile_plan(plan, *companions) -> None:
     """Every kernel of a plan (`forward.ForwardPlan`, `backward.BackwardPlan`) compiled at once
-    on its first use, in parallel, instead of one after another as the launches reach them;
-    after that a set lookup per call."""
+    on its first use, in parallel, instead of one after another as the launches reach them, with
+    those of `companions` (plans the call will use next, e.g. the backward after a training
+    forward); after that a set lookup per call."""
     if plan not in _ready_plans:
-        precompile(plan.specs(), num_workers=min(8, os.cpu_count() or 1))
-        _ready_plans.add(plan)
+        precompile([s for p in (plan, *companions) for s in p.specs()], num_workers=min(8, os.cpu_count() or 1))
+        _ready_plans.update((plan, *companions))
 
 
 def kernel_operand(t: torch.Tensor) -> torch.Tensor:

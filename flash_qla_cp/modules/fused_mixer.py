@@ -67,6 +67,8 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     B, T, width = P.shape
     lay = config.layout
     steps = _steps(config, conv_weight.shape[-1])
+    if steps is kernel_steps:
+        kernel_steps.compile_layer(lay, conv_weight.shape[-1], P.dtype, config.allow_neg_eigval, config.norm_eps)
     rows = P.view(B * T, width)
     positions = token_positions(B, T, cu_seqlens, P.device)
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,

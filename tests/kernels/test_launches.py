@@ -30,8 +30,8 @@ class Launches:
     def compile_kernel(self, spec):
         return lambda *args: self.calls.append((spec, args))
 
-    def compile_plan(self, plan):
-        self.plans.append(plan)
+    def compile_plan(self, plan, *companions):
+        self.plans.append((plan, *companions))
 
     def names(self):
         return [spec.name for spec, _ in self.calls]
@@ -237,3 +237,30 @@ def test_conv_history_gradient_from_the_kernels_first_rows(continuing):
                      for t in range(W)])
     (y * dy_head).sum().backward()
     assert torch.allclose(_history_grad(dy_head, weight, positions), history.grad, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["dense", "varlen_h0", "split"])
+def test_training_forward_compiles_the_backward_it_will_need(case):
+    """A forward that keeps its states and returns no final state compiles, with its own plan, the
+    backward plan the following backward then asks for (one round of compilation, not two)."""
+    from flash_qla_cp.ops import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+
+    T, cu, h0 = {"dense": (4096, None, None), "varlen_h0": (20101, VARLEN_CU, torch.zeros(5, 4, 128, 128)),
+                 "split": (32768, None, None)}[case]
+    q, k, v, g, beta = inputs(T, 2, 4)
+
+    def call():
+        with mock.patch("flash_qla_cp.ops.choose_backend", lambda *a: "tilelang"):
+            o, _, ctx = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
+                                                   backend="tilelang", intra_cp="auto" if case == "split" else "off",
+                                                   save_states=True)
+            return chunk_gated_delta_rule_bwd(torch.zeros_like(o), None, ctx)
+
+    launches = Launches()
+    with mock.patch.object(runtime, "compile_kernel", launches.compile_kernel), \
+            mock.patch.object(runtime, "compile_plan", launches.compile_plan), \
+            mock.patch.object(runtime, "sm_count", lambda device: SMS):
+        call()
+    (forward_plan, predicted), (backward_plan,) = launches.plans
+    assert predicted == backward_plan
+    assert ("build_decay_tables_kernel" in [s.name for s in forward_plan.specs()]) == (case == "split")

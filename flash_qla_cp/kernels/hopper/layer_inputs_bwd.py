@@ -45,7 +45,7 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
 
     @T.macro
     def conv_grad(P, history, weight, positions, grad, head, t0, bt, col, chan, D, normalise, dP, dweight_part,
-                  dy_head, x_s, w_s, m_s, n_s, dy_s, y_f, s_f, dn_f, red_f, rs_f, dot_f, out_f, col_f):
+                  dy_head, x_s, w_s, m_s, n_s, dy_s, y_f, dn_f, red_f, rs_f, dot_f, out_f, col_f):
         # the conv's inputs for tokens t0 - W .. t0 + E - 1 (clamped rows are masked below)
         for i, d in T.Parallel(E + WINDOW_ROWS, D):
             x_s[i, d] = T.if_then_else(t0 - W + i >= 0, P[T.max(T.min(t0 - W + i, NT - 1), 0), col + d],
@@ -64,19 +64,21 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
             for e, d in T.Parallel(E, D):
                 y_f[e, d] += T.cast(x_s[e + j, d], acc) * w_s[j, d] * m_s[e, j]
         for e, d in T.Parallel(E, D):
-            s_f[e, d] = y_f[e, d] / (T.float32(1) + T.exp(-y_f[e, d]))
             dn_f[e, d] = T.if_then_else(t0 + e < NT, T.cast(grad[T.min(t0 + e, NT - 1), head, d], acc), T.float32(0))
-        if normalise:  # dn_f becomes the gradient of silu's output through the l2 norm
+        if normalise:  # dn_f becomes the gradient of silu's output s through the l2 norm
+            # (s = silu(y) is recomputed where used: one fragment fewer keeps two blocks per SM)
             for e, d in T.Parallel(E, D):
-                red_f[e, d] = s_f[e, d] * s_f[e, d]
+                red_f[e, d] = y_f[e, d] / (T.float32(1) + T.exp(-y_f[e, d]))
+                red_f[e, d] = red_f[e, d] * red_f[e, d]
             T.reduce_sum(red_f, rs_f, dim=1)
             for e, d in T.Parallel(E, D):
-                red_f[e, d] = s_f[e, d] * dn_f[e, d]
+                red_f[e, d] = y_f[e, d] / (T.float32(1) + T.exp(-y_f[e, d])) * dn_f[e, d]
             T.reduce_sum(red_f, dot_f, dim=1)
             for e in T.Parallel(E):
                 rs_f[e] = T.rsqrt(rs_f[e] + L2NORM_EPS)
             for e, d in T.Parallel(E, D):
-                dn_f[e, d] = rs_f[e] * dn_f[e, d] - s_f[e, d] * rs_f[e] * rs_f[e] * rs_f[e] * dot_f[e]
+                dn_f[e, d] = rs_f[e] * dn_f[e, d] - (y_f[e, d] / (T.float32(1) + T.exp(-y_f[e, d]))) * (
+                    rs_f[e] * rs_f[e] * rs_f[e] * dot_f[e])
         for e, d in T.Parallel(E, D):  # dy = ds * silu'(y)
             sig = T.float32(1) / (T.float32(1) + T.exp(-y_f[e, d]))
             dy_s[e, d] = dn_f[e, d] * sig * (T.float32(1) + y_f[e, d] * (T.float32(1) - sig))
@@ -126,37 +128,35 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
             wk_s = T.alloc_shared((K, dk), acc)
             dyk_s = T.alloc_shared((E, dk), acc)
             yk_f = T.alloc_fragment((E, dk), acc)
-            sk_f = T.alloc_fragment((E, dk), acc)
             dnk_f = T.alloc_fragment((E, dk), acc)
             redk_f = T.alloc_fragment((E, dk), acc)
             outk_f = T.alloc_fragment((BT, dk), acc)
             colk_f = T.alloc_fragment((dk,), acc)
             if dv == dk:  # (one set of buffers serves q, k and v heads)
-                xv_s, wv_s, dyv_s, yv_f, sv_f, dnv_f, outv_f, colv_f = xk_s, wk_s, dyk_s, yk_f, sk_f, dnk_f, outk_f, colk_f
+                xv_s, wv_s, dyv_s, yv_f, dnv_f, outv_f, colv_f = xk_s, wk_s, dyk_s, yk_f, dnk_f, outk_f, colk_f
             else:
                 xv_s = T.alloc_shared((E + WINDOW_ROWS, dv), dtype)
                 wv_s = T.alloc_shared((K, dv), acc)
                 dyv_s = T.alloc_shared((E, dv), acc)
                 yv_f = T.alloc_fragment((E, dv), acc)
-                sv_f = T.alloc_fragment((E, dv), acc)
                 dnv_f = T.alloc_fragment((E, dv), acc)
                 outv_f = T.alloc_fragment((BT, dv), acc)
                 colv_f = T.alloc_fragment((dv,), acc)
             if slot < H:
                 conv_grad(P, history, weight, positions, grad_q, slot, t0, bt, q_offset + slot * q_head_stride, slot * dk, dk, True,
-                          dP, dweight_part, dy_head, xk_s, wk_s, m_s, n_s, dyk_s, yk_f, sk_f, dnk_f, redk_f, rs_f, dot_f,
+                          dP, dweight_part, dy_head, xk_s, wk_s, m_s, n_s, dyk_s, yk_f, dnk_f, redk_f, rs_f, dot_f,
                           outk_f, colk_f)
             elif slot < 2 * H:
                 h = slot - H
                 conv_grad(P, history, weight, positions, grad_k, h, t0, bt, k_offset + h * k_head_stride, H * dk + h * dk, dk,
-                          True, dP, dweight_part, dy_head, xk_s, wk_s, m_s, n_s, dyk_s, yk_f, sk_f, dnk_f, redk_f, rs_f, dot_f,
+                          True, dP, dweight_part, dy_head, xk_s, wk_s, m_s, n_s, dyk_s, yk_f, dnk_f, redk_f, rs_f, dot_f,
                           outk_f, colk_f)
             else:
                 hv = slot - 2 * H
                 h = hv // r
                 j = hv % r
                 conv_grad(P, history, weight, positions, grad_v, hv, t0, bt, v_offset + h * v_head_stride + j * dv,
-                          2 * H * dk + hv * dv, dv, False, dP, dweight_part, dy_head, xv_s, wv_s, m_s, n_s, dyv_s, yv_f, sv_f,
+                          2 * H * dk + hv * dv, dv, False, dP, dweight_part, dy_head, xv_s, wv_s, m_s, n_s, dyv_s, yv_f,
                           dnv_f, None, None, None, outv_f, colv_f)
                 # gates: g = -exp(A_log) softplus(pre), pre = a + dt_bias; beta = beta_scale sigmoid(b)
                 for i in T.Parallel(BT):
