@@ -16,7 +16,8 @@
 #   profile    tools/profile_kernels.py (SHAPES, INTRA, PROFILE_LIB)
 #   host_timeline  tools/host_timeline.py (SHAPE, PASSES, TIMELINE_ARGS e.g. --profile)
 #   ncu        ncu stall samples of one kernel (NCU_KERNEL, SHAPE, NCU_NAME), read with tools/ncu_stalls.py
-#   long_seq   the long-sequence training ladder with activation checkpointing (SEQ_LENS)
+#   long_seq   the long-sequence training ladder with activation checkpointing (SEQ_LENS; CKPT=0 without)
+#   cold_start benchmarks/bench_cold_start.py (COLD_ARGS, e.g. --no-precompile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # several invocations in one device call (different options per phase) unpack once
@@ -53,12 +54,15 @@ for phase in "$@"; do
       /usr/local/cuda/bin/ncu -i "$OUT/${NCU_NAME:-ncu}.ncu-rep" --page source --print-source sass --csv 2>/dev/null | xz -9 > "$OUT/${NCU_NAME:-ncu}_sass.csv.xz"
       rm -f "$OUT/${NCU_NAME:-ncu}.ncu-rep"; grep -E "Duration|Registers Per|Issue Slots Busy|No Eligible" "$OUT/${NCU_NAME:-ncu}_details.txt" ;;
     long_seq)
+      ckpt=$([ "${CKPT:-1}" = 1 ] && echo --checkpoint-blocks)
       for L in ${SEQ_LENS:-262144 524288}; do
-        echo "-- seq-len $L (--checkpoint-blocks)" | tee -a "$OUT/long_seq.log"
+        echo "-- seq-len $L ${ckpt:-(no checkpointing)}" | tee -a "$OUT/long_seq.log"
         timeout 200 python examples/pretrain.py --device cuda --cp 1 --seq-len "$L" --min-doc-bytes $((L / 2)) \
           --layers 8 --hidden 1024 --heads 8 --v-heads 16 --head-dim 128 --attn-every 0 --steps 4 \
-          --log-every 1 --lr 1e-3 --checkpoint-blocks 2>&1 | grep -vi "tilelang\|warn" | tail -6 | tee -a "$OUT/long_seq.log"
+          --log-every 1 --lr 1e-3 $ckpt 2>&1 | grep -vi "tilelang\|warn" | tail -6 | tee -a "$OUT/long_seq.log"
       done ;;
+    cold_start) timeout "${BENCH_TIMEOUT:-540}" python benchmarks/bench_cold_start.py --out "$OUT/cold_start" ${COLD_ARGS:-} \
+                  2>&1 | grep '^{' | cut -c1-300 ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

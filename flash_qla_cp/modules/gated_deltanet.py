@@ -51,19 +51,21 @@ def _fail(message: str):
     raise ValueError(f"GatedDeltaNet: {message}")
 
 
-def _check_padding_mask(mask: torch.Tensor):
+def _check_padding_mask(mask: torch.Tensor) -> bool:
     """A padding mask holds only 0 / 1 and, per row, one run of ones (left or right padding, or
     both): a hole in the middle would feed the conv zeros where the dropped tokens were, which
-    is not the sequence without them. One host sync for both checks."""
+    is not the sequence without them. Returns whether it keeps every token. One host sync."""
     binary = (mask == 0) | (mask == 1)
     m = mask.to(torch.int64)
     starts = m[:, :1] + (m[:, 1:] > m[:, :-1]).sum(1, keepdim=True)  # runs of ones per row
-    bad_values, holes = torch.stack([(~binary).any(), (binary.all() & (starts > 1).any())]).tolist()
+    bad_values, holes, keeps_all = torch.stack(
+        [(~binary).any(), (binary.all() & (starts > 1).any()), (mask == 1).all()]).tolist()
     if bad_values:
         _fail("attention_mask must hold only 0 (padding) and 1 (token)")
     if holes:
         _fail("attention_mask must mark one run of tokens per row (left or right padding); for several "
               "sequences in a row pack them with cu_seqlens instead")
+    return bool(keeps_all)
 
 
 @dataclass
@@ -341,8 +343,10 @@ class GatedDeltaNet(nn.Module):
 
     # ---- input checks --------------------------------------------------------------------------
 
-    def _check(self, x, attention_mask, cu_seqlens, conv_state, recurrent_state) -> int:
-        """Validate the forward's inputs; return the number of sequences N."""
+    def _check(self, x, attention_mask, cu_seqlens, conv_state, recurrent_state) -> tuple:
+        """Validate the forward's inputs; return the number of sequences N and whether an
+        attention_mask keeps every token (False without one, or when compiling)."""
+        keeps_all = False
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             _fail(f"hidden_states must be a 3-D tensor [B, T, hidden_size={self.hidden_size}], got {got}")
@@ -361,7 +365,7 @@ class GatedDeltaNet(nn.Module):
                        else type(attention_mask).__name__)
                 _fail(f"attention_mask must be a [B, T] = {(B, T)} padding mask (1 = keep), got {got}")
             if not torch.compiler.is_compiling():  # (values: a host read, which a traced call cannot make)
-                _check_padding_mask(attention_mask)
+                keeps_all = _check_padding_mask(attention_mask)
         N = B
         if cu_seqlens is not None:
             if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64) \
@@ -383,7 +387,7 @@ class GatedDeltaNet(nn.Module):
             want = (N, self.num_v_heads, self.head_k_dim, self.head_v_dim)
             if tuple(recurrent_state.shape) != want:
                 _fail(f"recurrent state must be [N, HV, dk, dv] = {want}, got {tuple(recurrent_state.shape)}")
-        return N
+        return N, keeps_all
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -392,7 +396,9 @@ class GatedDeltaNet(nn.Module):
         """The layer. Returns (output [B, T, D], new conv state, new recurrent state, conv input [B, T, C])."""
         num_seqs = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) else 0
         if cp_context is None:
-            num_seqs = self._check(hidden_states, attention_mask, cu_seqlens, conv_state, recurrent_state)
+            num_seqs, keeps_all = self._check(hidden_states, attention_mask, cu_seqlens, conv_state, recurrent_state)
+            if keeps_all:  # a mask without padding changes nothing: the call can run fused
+                attention_mask = None
         else:
             # the op checks cu_seqlens and the state against the global batch the plan was built for
             self._check(hidden_states, None, None, None, None)

@@ -216,8 +216,8 @@ def test_bfloat16_close_to_float32():
 
 
 def test_training_calls_take_the_fused_layer_and_the_others_the_steps(monkeypatch):
-    """Plain, packed and initial-state calls run the fused layer (`modules/fused_mixer.py`);
-    padding masks, caches and single tokens the step-by-step path."""
+    """Plain, packed and initial-state calls run the fused layer (`modules/fused_mixer.py`), and so
+    does a mask without padding; padding masks, caches and single tokens the step-by-step path."""
     import flash_qla_cp.modules.gated_deltanet as gdn_mod
 
     fused, steps = [], []
@@ -229,9 +229,11 @@ def test_training_calls_take_the_fused_layer_and_the_others_the_steps(monkeypatc
     m(_x(1, 9), cu_seqlens=random_cu_seqlens([4, 5]))
     m(_x(2, 9), initial_state=torch.randn(2, 4, 8, 8, dtype=torch.float64))
     assert len(fused) == 3 and steps == []
-    m(_x(2, 9), attention_mask=torch.ones(2, 9))
+    m(_x(2, 9), attention_mask=torch.ones(2, 9))  # no padding: nothing to mask
+    assert len(fused) == 4 and steps == []
+    m(_x(2, 9), attention_mask=torch.tensor([[0, 0] + [1] * 7, [1] * 9]))
     m(_x(2, 9), use_cache=True)
-    assert len(fused) == 3 and len(steps) == 2 and not any("cp_context" in kw for kw in steps)
+    assert len(fused) == 4 and len(steps) == 2 and not any("cp_context" in kw for kw in steps)
 
 
 def test_save_states_option_reaches_the_op(monkeypatch):
