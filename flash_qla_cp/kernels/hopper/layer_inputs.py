@@ -21,6 +21,34 @@ SOFTPLUS_LINEAR_ABOVE = 20.0  # torch's softplus threshold: softplus(x) = x abov
 WINDOW_ROWS = 16  # rows kept for the conv window ahead of a tile (conv_size - 1 <= 15)
 
 
+def conv_macros(T, NT, conv_size: int, acc: str):
+    """The TileLang macros both layer-input kernels share: `load_window` reads a tile's conv inputs
+    (rows t0 - (K-1) .., from P or, before the first token, from `history`), its head's taps and
+    which taps exist; `conv` forms the pre-activation conv of `rows` tokens from them."""
+    K = conv_size
+    W = conv_size - 1
+
+    @T.macro
+    def load_window(P, history, weight, positions, t0, col, chan, D, rows, x_s, w_s, m_s):
+        for i, d in T.Parallel(rows + WINDOW_ROWS, D):
+            x_s[i, d] = T.if_then_else(t0 - W + i >= 0, P[T.max(T.min(t0 - W + i, NT - 1), 0), col + d],
+                                       history[T.max(t0 + i, 0) % W, chan + d])
+        for j, d in T.Parallel(K, D):
+            w_s[j, d] = weight[chan + d, j]
+        for e, j in T.Parallel(rows, K):  # tap j of token t0 + e exists
+            m_s[e, j] = T.if_then_else(positions[T.min(t0 + e, NT - 1)] >= W - j, T.float32(1), T.float32(0))
+
+    @T.macro
+    def conv(x_s, w_s, m_s, y_f, rows, D):
+        """y_f[e, d] = sum_j w[j, d] x[t0 + e - (W - j), d] over the taps that exist."""
+        T.clear(y_f)
+        for j in T.unroll(K):
+            for e, d in T.Parallel(rows, D):
+                y_f[e, d] += T.cast(x_s[e + j, d], acc) * w_s[j, d] * m_s[e, j]
+
+    return load_window, conv
+
+
 def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_offset: int, q_head_stride: int,
                               k_offset: int, k_head_stride: int, v_offset: int, v_head_stride: int, b_offset: int,
                               b_head_stride: int, a_offset: int, a_head_stride: int, conv_size: int, dtype: str,
@@ -41,20 +69,13 @@ def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_o
     beta_scale = 2.0 if allow_neg_eigval else 1.0
     NT = T.dynamic("num_tokens")
 
+    load_window, conv = conv_macros(T, NT, conv_size, acc)
+
     @T.macro
     def conv_silu(P, history, weight, positions, t0, col, chan, D, x_s, w_s, m_s, y_f):
         """y_f[i, d] = silu(sum_j w[chan + d, j] x[t0 + i - (W - j), col + d]) over the taps in the sequence."""
-        for i, d in T.Parallel(BT + WINDOW_ROWS, D):
-            x_s[i, d] = T.if_then_else(t0 - W + i >= 0, P[T.max(T.min(t0 - W + i, NT - 1), 0), col + d],
-                                       history[T.max(t0 + i, 0) % W, chan + d])
-        for j, d in T.Parallel(K, D):
-            w_s[j, d] = weight[chan + d, j]
-        for i, j in T.Parallel(BT, K):
-            m_s[i, j] = T.if_then_else(positions[T.min(t0 + i, NT - 1)] >= W - j, T.float32(1), T.float32(0))
-        T.clear(y_f)
-        for j in T.unroll(K):
-            for i, d in T.Parallel(BT, D):
-                y_f[i, d] += T.cast(x_s[i + j, d], acc) * w_s[j, d] * m_s[i, j]
+        load_window(P, history, weight, positions, t0, col, chan, D, BT, x_s, w_s, m_s)
+        conv(x_s, w_s, m_s, y_f, BT, D)
         for i, d in T.Parallel(BT, D):
             y_f[i, d] = y_f[i, d] / (T.float32(1) + T.exp(-y_f[i, d]))
 

@@ -13,7 +13,7 @@ the first K - 1 tokens (dy_head), from which the host forms the gradient of the 
 """
 
 from .common import import_tilelang, tl_dtype
-from .layer_inputs import L2NORM_EPS, SOFTPLUS_LINEAR_ABOVE, WINDOW_ROWS
+from .layer_inputs import L2NORM_EPS, SOFTPLUS_LINEAR_ABOVE, WINDOW_ROWS, conv_macros
 
 LOOKAHEAD = 16  # tokens after a block's outputs whose dy the transposed conv reads (conv_size - 1 <= 15)
 
@@ -42,27 +42,19 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
     beta_scale = 2.0 if allow_neg_eigval else 1.0
     NT = T.dynamic("num_tokens")
     NB = T.dynamic("num_blocks")
+    load_window, conv = conv_macros(T, NT, conv_size, acc)
 
     @T.macro
     def conv_grad(P, history, weight, positions, grad, head, t0, bt, col, chan, D, normalise, dP, dweight_part,
                   dy_head, x_s, w_s, m_s, n_s, dy_s, y_f, dn_f, red_f, rs_f, dot_f, out_f, col_f):
-        # the conv's inputs for tokens t0 - W .. t0 + E - 1 (clamped rows are masked below)
-        for i, d in T.Parallel(E + WINDOW_ROWS, D):
-            x_s[i, d] = T.if_then_else(t0 - W + i >= 0, P[T.max(T.min(t0 - W + i, NT - 1), 0), col + d],
-                                       history[T.max(t0 + i, 0) % W, chan + d])
-        for j, d in T.Parallel(K, D):
-            w_s[j, d] = weight[chan + d, j]
-        for e, j in T.Parallel(E, K):  # tap j of token t0 + e exists
-            m_s[e, j] = T.if_then_else(positions[T.min(t0 + e, NT - 1)] >= W - j, T.float32(1), T.float32(0))
+        # the conv's inputs for tokens t0 - W .. t0 + E - 1 (clamped rows are masked)
+        load_window(P, history, weight, positions, t0, col, chan, D, E, x_s, w_s, m_s)
         for i, j in T.Parallel(BT, K):  # token t0 + i + (W - j) is in t0 + i's sequence
             n_s[i, j] = T.if_then_else(
                 (t0 + i + W - j < NT)
                 and (positions[T.min(t0 + i + W - j, NT - 1)] == positions[T.min(t0 + i, NT - 1)] + (W - j)),
                 T.float32(1), T.float32(0))
-        T.clear(y_f)
-        for j in T.unroll(K):
-            for e, d in T.Parallel(E, D):
-                y_f[e, d] += T.cast(x_s[e + j, d], acc) * w_s[j, d] * m_s[e, j]
+        conv(x_s, w_s, m_s, y_f, E, D)
         for e, d in T.Parallel(E, D):
             dn_f[e, d] = T.if_then_else(t0 + e < NT, T.cast(grad[T.min(t0 + e, NT - 1), head, d], acc), T.float32(0))
         if normalise:  # dn_f becomes the gradient of silu's output s through the l2 norm
