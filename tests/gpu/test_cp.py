@@ -71,3 +71,62 @@ def test_two_processes_on_one_gpu_within_limits():
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
+
+
+def _layer_worker(rank, world, init_file, queue):
+    """GatedDeltaNet (bf16, TileLang) under 2-rank CP against the same layer in one process."""
+    try:
+        import torch
+
+        from flash_qla_cp import GatedDeltaNet
+        from flash_qla_cp.testing import random_cu_seqlens
+
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        torch.manual_seed(0)
+        layer = GatedDeltaNet(512, 2, 4, 128, 128, device="cuda", dtype=torch.bfloat16)
+        lengths = [5000, 3000, 2, 98, 8284]  # rank 1 starts inside the first sequence
+        cu = random_cu_seqlens(lengths, device="cuda")
+        x = torch.randn(1, sum(lengths), 512, generator=torch.Generator().manual_seed(1)).cuda().bfloat16()
+
+        def run(xx, **kw):
+            xx = xx.detach().clone().requires_grad_(True)
+            layer.zero_grad()
+            out = layer(xx, cu_seqlens=cu, **kw)
+            out.float().square().sum().backward()
+            return out.detach(), xx.grad, {n: p.grad.float().clone() for n, p in layer.named_parameters()}
+
+        want_out, want_dx, want_grads = run(x)
+        cp = CPContext.build(cu, intra_cp="auto")
+        out, dx, grads = run(cp.local_slice(x), cp_context=cp)
+        errs = {"out": rel_err(out, cp.local_slice(want_out)), "dx": rel_err(dx, cp.local_slice(want_dx))}
+        for n, g in grads.items():
+            dist.all_reduce(g)  # replicated parameters: the ranks' parts add up
+            errs["d" + n] = rel_err(g, want_grads[n])
+        queue.put((rank, errs))
+    except Exception:  # noqa: BLE001 - reported to the parent, never a hang
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_layer_under_two_process_cp_matches_one_process():
+    """The fused layer's CP path (conv history from the other rank, its gradient sent back) with
+    the TileLang kernels: bf16 results within the op's limits of the one-process layer."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_layer_worker, args=(r, 2, os.path.join(tmp, "pg"), queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            for _ in procs:
+                rank, errs = queue.get(timeout=600)
+                assert isinstance(errs, dict), f"rank {rank} failed:\n{errs}"
+                assert all(e < 1e-2 for e in errs.values()), (rank, errs)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
