@@ -28,7 +28,7 @@ import torch
 
 from ..backends import choose_backend
 from ..kernels import layer as kernel_steps
-from ..ops import GDNContext, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from ..ops import GDNContext, backward_will_run, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from ..options import DEFAULT_OPTIONS, KernelOptions
 from ..reference import layer_steps as torch_steps
 from ..reference.layer_steps import ProjectionLayout, token_positions
@@ -200,4 +200,8 @@ def fused_mixer(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig
                          list(astuple(config.layout)), config.allow_neg_eigval, float(config.norm_eps),
                          float(config.scale), config.backend, str(config.intra_cp))
         return y
+    if not backward_will_run(P, conv_weight, A_log, dt_bias, norm_weight, initial_state):
+        # inference: the forward alone, keeping nothing for a backward
+        config = _resolved(replace(config, save_states=False), P)
+        return _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config)[0]
     return FusedMixer.apply(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config)

@@ -109,3 +109,21 @@ def test_fused_layer_keeps_no_op_inputs_between_forward_and_backward():
     C = 2 * 2 * 8 + 4 * 16
     # x (by the projection and out_proj's input); P; o; conv weight etc.: no [1, 40, C]-sized op inputs
     assert (1, 40, C) not in saved and (40, 2, 8) not in saved and (1, 40, 2, 8) not in saved
+
+
+def test_inference_keeps_nothing_for_a_backward(monkeypatch):
+    """Without gradients the fused layer runs its forward alone, and asks the op to keep no chunk
+    states."""
+    import flash_qla_cp.modules.fused_mixer as mixer_mod
+
+    seen = []
+    real = mixer_mod.chunk_gated_delta_rule_fwd
+    monkeypatch.setattr(mixer_mod, "chunk_gated_delta_rule_fwd",
+                        lambda *a, **kw: seen.append(kw["save_states"]) or real(*a, **kw))
+    m = _layer("qwen3_next", False)
+    x = torch.randn(1, 30, D, dtype=torch.float64)
+    with torch.no_grad():
+        y = m(x)
+    assert y.grad_fn is None and seen == [False]
+    m(x.requires_grad_(True)).sum().backward()
+    assert seen == [False, True]
