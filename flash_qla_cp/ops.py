@@ -8,7 +8,7 @@ autograd function that ties them together. Context parallelism sits above this m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import torch
 
@@ -151,19 +151,70 @@ def keep_chunk_states(save_states: bool, needs_backward: bool) -> bool:
     return bool(save_states) and needs_backward
 
 
+class _TakenTensor:
+    """The place of a tensor `take_tensors` took out (its index in the list)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def take_tensors(obj):
+    """(skeleton, tensors) of a dataclass (`GDNContext`, `ForwardSaved`; nested dataclasses
+    included; anything else passes with no tensors): its tensors, to be saved the autograd way, and a copy holding their
+    places. What an autograd node holds as an attribute stays alive from the forward to the
+    backward, through activation checkpointing too; saved through save_for_backward, the kept
+    chunk states are what checkpointing drops after the forward and recomputes for the backward."""
+    tensors = []
+
+    def strip(node):
+        if node is None:
+            return None
+        changes = {}
+        for f in fields(node):
+            value = getattr(node, f.name)
+            if isinstance(value, torch.Tensor):
+                changes[f.name] = _TakenTensor(len(tensors))
+                tensors.append(value)
+            elif is_dataclass(value):
+                changes[f.name] = strip(value)
+        return replace(node, **changes)
+
+    if not is_dataclass(obj):  # (another engine's context, e.g. the torch split's: held as it is)
+        return obj, tensors
+    return strip(obj), tensors
+
+
+def put_tensors(skeleton, tensors):
+    """The inverse of `take_tensors`."""
+    if skeleton is None or not is_dataclass(skeleton):
+        return skeleton
+    changes = {}
+    for f in fields(skeleton):
+        value = getattr(skeleton, f.name)
+        if isinstance(value, _TakenTensor):
+            changes[f.name] = tensors[value.index]
+        elif is_dataclass(value):
+            changes[f.name] = put_tensors(value, tensors)
+    return replace(skeleton, **changes)
+
+
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, g, beta, initial_state, options):
         o, final_state, ctx = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=initial_state, **options)
-        # saved the autograd way: an input modified in place before the backward then raises
-        fctx.save_for_backward(q, k, v, g, beta, initial_state)
-        fctx.gdn = ctx
+        # saved the autograd way: an input modified in place before the backward then raises, and
+        # activation checkpointing drops and recomputes what the forward kept
+        skeleton, kept = take_tensors(ctx.kernel_saved)
+        fctx.save_for_backward(q, k, v, g, beta, initial_state, *kept)
+        fctx.gdn = replace(ctx, q=None, k=None, v=None, g=None, beta=None, initial_state=None, kernel_saved=skeleton)
         return o, final_state
 
     @staticmethod
     def backward(fctx, do, dht):
-        q, k, v, g, beta, initial_state = fctx.saved_tensors
-        ctx = fctx.gdn
+        q, k, v, g, beta, initial_state, *kept = fctx.saved_tensors
+        ctx = replace(fctx.gdn, kernel_saved=put_tensors(fctx.gdn.kernel_saved, kept))
         ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.initial_state = q, k, v, g, beta, initial_state
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.contiguous(), dht, ctx)
         return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None

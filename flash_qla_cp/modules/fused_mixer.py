@@ -28,7 +28,8 @@ import torch
 
 from ..backends import choose_backend
 from ..kernels import layer as kernel_steps
-from ..ops import GDNContext, backward_will_run, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from ..ops import (GDNContext, backward_will_run, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd,
+                   put_tensors, take_tensors)
 from ..options import DEFAULT_OPTIONS, KernelOptions
 from ..reference import layer_steps as torch_steps
 from ..reference.layer_steps import ProjectionLayout, token_positions
@@ -111,16 +112,20 @@ class FusedMixer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig):
         config = _resolved(config, P)
-        y, o, ctx.gdn, positions = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
-                                            config)
+        y, o, gdn, positions = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
+                                        config)
         ctx.config = config
-        ctx.save_for_backward(P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions)
+        # the op's kept chunk states saved the autograd way too (activation checkpointing drops them)
+        skeleton, kept = take_tensors(gdn.kernel_saved)
+        ctx.gdn = replace(gdn, kernel_saved=skeleton)
+        ctx.save_for_backward(P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions, *kept)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions = ctx.saved_tensors
-        grads = _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions, ctx.gdn,
+        P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions, *kept = ctx.saved_tensors
+        gdn = replace(ctx.gdn, kernel_saved=put_tensors(ctx.gdn.kernel_saved, kept))
+        grads = _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions, gdn,
                           ctx.config)
         return (*grads, None, None)
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from ..ops import put_tensors, take_tensors
 from ..reference.chunked import compute_dtype
 from .context import CPContext, CPError, comm_device
 from .transition import segment_transitions
@@ -184,9 +185,15 @@ class InterCP(torch.autograd.Function):
         own = [finals[n] if n in finals else h0_user[n] for n in lay.owned]
         final = _gather_finals(cp, own, HV, K, V, sdt, dev) if output_final_state else None
 
-        # saved the autograd way, so that an input modified in place before the backward raises
-        # (the local engines keep their own references for the backward)
-        fctx.save_for_backward(q, k, v, g, beta, h0)
+        # saved the autograd way, the regions' local contexts too: an input modified in place before
+        # the backward raises, and activation checkpointing drops and recomputes what they kept
+        kept, fctx.kept_counts = [], []
+        for region in (head, tail):
+            if region is not None:
+                region.ctx, tensors = take_tensors(region.ctx)
+                kept += tensors
+                fctx.kept_counts.append(len(tensors))
+        fctx.save_for_backward(q, k, v, g, beta, h0, *kept)
         fctx.cp, fctx.engine, fctx.head, fctx.tail = cp, engine, head, tail
         fctx.shapes = (HV, K, V, sdt)
         fctx.has_h0 = h0 is not None
@@ -196,8 +203,12 @@ class InterCP(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, do, dfinal):
-        fctx.saved_tensors  # noqa: B018 - raises if an input was modified in place since the forward
+        kept = fctx.saved_tensors[6:]  # (reading them raises if an input was modified in place)
         cp, engine, head, tail = fctx.cp, fctx.engine, fctx.head, fctx.tail
+        start = 0
+        for region, count in zip([r for r in (head, tail) if r is not None], fctx.kept_counts):
+            region.ctx = put_tensors(region.ctx, kept[start : start + count])
+            start += count
         lay = cp.layout
         HV, K, V, sdt = fctx.shapes
         dev = do.device

@@ -264,3 +264,34 @@ def test_training_forward_compiles_the_backward_it_will_need(case):
     (forward_plan, predicted), (backward_plan,) = launches.plans
     assert predicted == backward_plan
     assert ("build_decay_tables_kernel" in [s.name for s in forward_plan.specs()]) == (case == "split")
+
+
+def test_kept_chunk_states_are_saved_the_autograd_way():
+    """The op's and the fused layer's kept chunk states (h_states [NC, HV, K, V]) go through
+    autograd's saved-tensor hooks, so activation checkpointing drops them after the forward
+    instead of holding them until the backward; the backward gets them back."""
+    from flash_qla_cp import GatedDeltaNet
+    from flash_qla_cp.api import chunk_gated_delta_rule
+    from flash_qla_cp.modules import fused_mixer
+
+    q, k, v, g, beta = (t.requires_grad_(True) for t in inputs(4096, 2, 4))
+    m = GatedDeltaNet(256, 2, 4, 128, 128, backend="torch").to(torch.bfloat16)
+    P = torch.zeros(1, 4096, m.projection_layout.width, dtype=torch.bfloat16, requires_grad=True)
+    config = fused_mixer.MixerConfig(m.projection_layout, False, 1e-6, 128**-0.5, "tilelang", "off", True)
+    calls = {
+        "op": lambda: chunk_gated_delta_rule(q, k, v, g, beta, backend="tilelang", intra_cp="off")[0],
+        "layer": lambda: fused_mixer.fused_mixer(P, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight, config),
+    }
+    for name, call in calls.items():
+        packed = []
+        launches = Launches()
+        with mock.patch.object(runtime, "compile_kernel", launches.compile_kernel), \
+                mock.patch.object(runtime, "compile_plan", launches.compile_plan), \
+                mock.patch.object(runtime, "sm_count", lambda device: SMS), \
+                mock.patch("flash_qla_cp.ops.choose_backend", lambda *a: "tilelang"), \
+                mock.patch("flash_qla_cp.api.choose_backend", lambda *a: "tilelang"):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(tuple(t.shape)) or t, lambda t: t):
+                out = call()
+            out.float().sum().backward()
+        assert (64, 4, 128, 128) in packed, (name, packed)
+        assert any("bwd" in n for n in launches.names()), name  # the backward ran on what it got back
