@@ -52,25 +52,30 @@ def _worker(rank, world, init_file, queue):
             dist.destroy_process_group()
 
 
-def test_two_processes_on_one_gpu_within_limits():
+def _two_processes(worker) -> list:
+    """[(rank, result)] of `worker(rank, 2, init_file, queue)` in two spawned processes sharing the
+    GPU; a rank that failed returns its traceback (a string)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(tmp, "pg"), queue)) for r in range(2)]
+        procs = [ctx.Process(target=worker, args=(r, 2, os.path.join(tmp, "pg"), queue)) for r in range(2)]
         for p in procs:
             p.start()
         try:
-            for _ in procs:
-                rank, res = queue.get(timeout=600)
-                assert isinstance(res, dict), f"rank {rank} failed:\n{res}"
-                for name, errs in res.items():
-                    assert set(errs) == {"o", "final", "dh0", *("d" + n for n in NAMES)}
-                    assert not over_limits(errs), (rank, name, errs)
+            return [queue.get(timeout=600) for _ in procs]
         finally:
             for p in procs:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
+
+
+def test_two_processes_on_one_gpu_within_limits():
+    for rank, res in _two_processes(_worker):
+        assert isinstance(res, dict), f"rank {rank} failed:\n{res}"
+        for name, errs in res.items():
+            assert set(errs) == {"o", "final", "dh0", *("d" + n for n in NAMES)}
+            assert not over_limits(errs), (rank, name, errs)
 
 
 def _layer_worker(rank, world, init_file, queue):
@@ -114,19 +119,6 @@ def _layer_worker(rank, world, init_file, queue):
 def test_layer_under_two_process_cp_matches_one_process():
     """The fused layer's CP path (conv history from the other rank, its gradient sent back) with
     the TileLang kernels: bf16 results within the op's limits of the one-process layer."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_layer_worker, args=(r, 2, os.path.join(tmp, "pg"), queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            for _ in procs:
-                rank, errs = queue.get(timeout=600)
-                assert isinstance(errs, dict), f"rank {rank} failed:\n{errs}"
-                assert all(e < 1e-2 for e in errs.values()), (rank, errs)
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
+    for rank, errs in _two_processes(_layer_worker):
+        assert isinstance(errs, dict), f"rank {rank} failed:\n{errs}"
+        assert all(e < 1e-2 for e in errs.values()), (rank, errs)
