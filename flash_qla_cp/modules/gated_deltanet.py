@@ -68,6 +68,14 @@ def _check_padding_mask(mask: torch.Tensor) -> bool:
     return bool(keeps_all)
 
 
+def _projection_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of a linear projection of x: autocast's where it is on (a bf16 model trained from
+    fp32 weights and residuals), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 @dataclass
 class GDNCache:
     """Decode state of one layer for N sequences.
@@ -303,7 +311,9 @@ class GatedDeltaNet(nn.Module):
         split_asked = cp_context is None and self.intra_cp not in ("auto", "off")
         if torch.compiler.is_compiling():
             return None if split_asked or cp_context is not None else self.backend
-        backend = choose_backend(self.backend, x.new_empty(0, self.head_k_dim), x.new_empty(0, self.head_v_dim))
+        dtype = _projection_dtype(x)  # what the kernels will read: the projection's output
+        backend = choose_backend(self.backend, x.new_empty(0, self.head_k_dim, dtype=dtype),
+                                 x.new_empty(0, self.head_v_dim, dtype=dtype))
         return None if backend == "torch" and split_asked else backend
 
     def _mixer_config(self, backend) -> MixerConfig:

@@ -152,3 +152,16 @@ def test_fused_layer_keeps_less_than_half_the_step_paths_activations():
     m._fused_backend = lambda *args: None
     steps = saved_bytes()
     assert fused < 0.5 * steps, (fused, steps)
+
+
+def test_backend_is_chosen_for_the_projection_dtype_under_autocast():
+    """fp32 residuals under bf16 autocast project to bf16: the backend (TileLang needs bf16 / fp16)
+    is chosen for that dtype, not the residual's."""
+    from flash_qla_cp.modules.gated_deltanet import _projection_dtype
+
+    x = torch.randn(1, 4, D)
+    assert _projection_dtype(x) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _projection_dtype(x) == torch.bfloat16
+        m = _layer("qwen3_next", False).float()
+        assert m(x).dtype == torch.bfloat16  # out_proj under autocast: the fused path ran it
