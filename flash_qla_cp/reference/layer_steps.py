@@ -183,27 +183,39 @@ def _split_heads(layout, x, NT):
             v.reshape(NT, layout.num_v_heads, layout.head_v_dim))
 
 
+def _conv_inputs(P, layout, conv_weight, positions, history, dtype):
+    """(conv columns of P, the conv's inputs x with the history rows in front, their positions, the
+    weight [C, K]), in the compute dtype: what the step's forward and backward both convolve."""
+    cols = layout.conv_columns().to(P.device)
+    x, pos = _with_history(P[:, cols].to(dtype), positions, history)
+    return cols, x, pos, conv_weight.reshape(x.shape[1], -1).to(dtype)
+
+
+def _gate_inputs(P, layout, dtype):
+    """(a columns, b columns, a, b): where P holds the gates' inputs, and those inputs in the compute dtype."""
+    a_cols, b_cols = layout.a_columns().to(P.device), layout.b_columns().to(P.device)
+    return a_cols, b_cols, P[:, a_cols].to(dtype), P[:, b_cols].to(dtype)
+
+
 def op_inputs_forward(P, layout: ProjectionLayout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False,
                       history=None):
     """P [NT, width] -> q, k [NT, H, dk] (l2-normalised), v [NT, HV, dv] in P's dtype; g, beta [NT, HV]
     in the compute dtype (fp32, or float64 for float64 P)."""
     dtype = compute_dtype(P)
     NT = P.shape[0]
-    x, pos = _with_history(P[:, layout.conv_columns().to(P.device)].to(dtype), positions, history)
-    y = F.silu(_conv(x, conv_weight.reshape(x.shape[1], -1).to(dtype), pos)[x.shape[0] - NT :])
+    _, x, pos, w = _conv_inputs(P, layout, conv_weight, positions, history, dtype)
+    y = F.silu(_conv(x, w, pos)[x.shape[0] - NT :])
     q, k, v = _split_heads(layout, y, NT)
     q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
     k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
-    g, beta = _gates(P, layout, A_log, dt_bias, allow_neg_eigval, dtype)
+    _, _, a, b = _gate_inputs(P, layout, dtype)
+    g = -A_log.to(dtype).exp() * F.softplus(a + dt_bias.to(dtype))
+    beta = torch.sigmoid(b) * _beta_scale(allow_neg_eigval)
     return q.to(P.dtype), k.to(P.dtype), v.to(P.dtype), g, beta
 
 
-def _gates(P, layout, A_log, dt_bias, allow_neg_eigval, dtype):
-    a = P[:, layout.a_columns().to(P.device)].to(dtype)
-    b = P[:, layout.b_columns().to(P.device)].to(dtype)
-    g = -A_log.to(dtype).exp() * F.softplus(a + dt_bias.to(dtype))
-    beta = torch.sigmoid(b) * (2.0 if allow_neg_eigval else 1.0)
-    return g, beta
+def _beta_scale(allow_neg_eigval) -> float:
+    return 2.0 if allow_neg_eigval else 1.0
 
 
 def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout: ProjectionLayout, conv_weight, A_log, dt_bias, positions,
@@ -212,10 +224,8 @@ def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout: ProjectionLayout, conv_
     dtype) and returns (d conv_weight, d A_log, d dt_bias, d history or None) in the inputs' dtypes."""
     dtype = compute_dtype(P)
     NT = P.shape[0]
-    cols = layout.conv_columns().to(P.device)
-    x, pos = _with_history(P[:, cols].to(dtype), positions, history)
+    cols, x, pos, w = _conv_inputs(P, layout, conv_weight, positions, history, dtype)
     W = x.shape[0] - NT  # history rows in front
-    w = conv_weight.reshape(x.shape[1], -1).to(dtype)
     y = _conv(x, w, pos)[W:]
     s = F.silu(y)
     sq, sk, _ = _split_heads(layout, s, NT)
@@ -232,17 +242,16 @@ def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout: ProjectionLayout, conv_
     dP[:, cols] = dx[W:].to(dP.dtype)
     dhistory = dx[:W].to(history.dtype) if history is not None else None
 
-    a = P[:, layout.a_columns().to(P.device)].to(dtype)
-    b = P[:, layout.b_columns().to(P.device)].to(dtype)
+    a_cols, b_cols, a, b = _gate_inputs(P, layout, dtype)
     dg, dbeta = dg.to(dtype), dbeta.to(dtype)
     A = A_log.to(dtype).exp()
     pre = a + dt_bias.to(dtype)
     da = -A * torch.sigmoid(pre) * dg  # d softplus = sigmoid
     dA_log = (dg * (-A * F.softplus(pre))).sum(0)  # dg/dA_log = g
     sb = torch.sigmoid(b)
-    db = dbeta * (2.0 if allow_neg_eigval else 1.0) * sb * (1 - sb)
-    dP[:, layout.a_columns().to(P.device)] = da.to(dP.dtype)
-    dP[:, layout.b_columns().to(P.device)] = db.to(dP.dtype)
+    db = dbeta * _beta_scale(allow_neg_eigval) * sb * (1 - sb)
+    dP[:, a_cols] = da.to(dP.dtype)
+    dP[:, b_cols] = db.to(dP.dtype)
     return (dw.reshape(conv_weight.shape).to(conv_weight.dtype), dA_log.to(A_log.dtype), da.sum(0).to(dt_bias.dtype),
             dhistory)
 
