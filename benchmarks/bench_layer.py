@@ -1,7 +1,9 @@
 """The Gated DeltaNet layer side by side: ours (`flash_qla_cp.GatedDeltaNet`) against FLA's
 (`fla.layers.GatedDeltaNet`, flash-linear-attention, its default dispatch: FlashQLA's kernels
 inside on Hopper), in one process on the same input; `ours_steps` is our layer forced onto its
-step-by-step path (torch conv, l2 norm, gates and norm around the op), the layer before fusion.
+step-by-step path (torch conv, l2 norm, gates and norm around the op), the layer before fusion;
+`ours_recompute` is the fused layer with save_states=False (the op's backward recomputes the
+chunk states instead of keeping them: less memory, one more walk).
 
     python benchmarks/bench_layer.py [--shapes qwen3_next_1x32k,...] [--libs ours,ours_steps,fla] [--no-compile]
 
@@ -41,8 +43,8 @@ SHAPES = {
 
 def make_layer(lib, hidden, H, HV, D, device, dtype):
     torch.manual_seed(0)
-    if lib in ("ours", "ours_steps"):
-        layer = GatedDeltaNet(hidden, H, HV, D, D).to(device=device, dtype=dtype)
+    if lib in ("ours", "ours_steps", "ours_recompute"):
+        layer = GatedDeltaNet(hidden, H, HV, D, D, save_states=lib != "ours_recompute").to(device=device, dtype=dtype)
         if lib == "ours_steps":  # the step-by-step path (torch conv, l2 norm, gates and norm around the op)
             layer._fused_backend = lambda *args: None
         return layer
@@ -53,7 +55,7 @@ def make_layer(lib, hidden, H, HV, D, device, dtype):
 
 
 def call(layer, lib, x, cu):
-    if lib in ("ours", "ours_steps"):
+    if lib.startswith("ours"):
         return layer(x, cu_seqlens=cu)
     return layer(x, cu_seqlens=cu)[0]  # FLA's layer returns (o, attentions, cache)
 
@@ -162,7 +164,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3_next_1x32k,qwen3_next_4x8k,qwen3_next_varlen8_32k,recipe_1x32k")
     ap.add_argument("--libs", default="ours,ours_steps,fla",
-                    help="ours (the fused layer), ours_steps (its step-by-step path), fla")
+                    help="ours (the fused layer), ours_steps (its step-by-step path), ours_recompute (fused, "
+                         "chunk states recomputed in the backward), fla")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-compile", action="store_true", help="eager only")
     ap.add_argument("--check-tokens", type=int, default=4096, help="tokens of the accuracy check (0: none)")

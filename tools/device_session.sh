@@ -14,9 +14,10 @@
 #   bench_layer  benchmarks/bench_layer.py: our GatedDeltaNet against FLA's (LAYER_SHAPES, LIBS)
 #   tune_split tools/tune_split.py (SHAPES, PARTS)
 #   profile    tools/profile_kernels.py (SHAPES, INTRA, PROFILE_LIB)
+#   profile_layer  tools/profile_layer.py: per-kernel time of the layer, ours and FLA's (LAYER_SHAPES, LIBS)
 #   host_timeline  tools/host_timeline.py (SHAPE, PASSES, TIMELINE_ARGS e.g. --profile)
 #   ncu        ncu stall samples of one kernel (NCU_KERNEL, SHAPE, NCU_NAME), read with tools/ncu_stalls.py
-#   long_seq   the long-sequence training ladder with activation checkpointing (SEQ_LENS; CKPT=0 without)
+#   long_seq   the long-sequence training ladder with activation checkpointing (SEQ_LENS, STEPS; CKPT=0 without)
 #   cold_start benchmarks/bench_cold_start.py (COLD_ARGS, e.g. --no-precompile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +43,8 @@ for phase in "$@"; do
                   ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} 2>&1 | grep '^{' | cut -c1-400 ;;
     profile) timeout 240 python tools/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
                ${INTRA:+--intra "$INTRA"} ${PROFILE_LIB:+--lib "$PROFILE_LIB"} 2>&1 | grep '^{' | cut -c1-1500 ;;
+    profile_layer) timeout 300 python tools/profile_layer.py --out "$OUT/profile_layer" \
+                     ${LAYER_SHAPES:+--shapes "$LAYER_SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-2500 ;;
     host_timeline) for pass in ${PASSES:-fwd fwdbwd}; do
         timeout "${BENCH_TIMEOUT:-300}" python tools/host_timeline.py --out "$OUT/host_timeline_$pass" --pass "$pass" \
           ${SHAPE:+--shape "$SHAPE"} ${TIMELINE_ARGS:-} 2>&1 | grep -v TileLang | tail -45 | cut -c1-300
@@ -57,8 +60,8 @@ for phase in "$@"; do
       ckpt=$([ "${CKPT:-1}" = 1 ] && echo --checkpoint-blocks)
       for L in ${SEQ_LENS:-262144 524288}; do
         echo "-- seq-len $L ${ckpt:-(no checkpointing)}" | tee -a "$OUT/long_seq.log"
-        timeout 200 python examples/pretrain.py --device cuda --cp 1 --seq-len "$L" --min-doc-bytes $((L / 2)) \
-          --layers 8 --hidden 1024 --heads 8 --v-heads 16 --head-dim 128 --attn-every 0 --steps 4 \
+        timeout "${RUN_TIMEOUT:-200}" python examples/pretrain.py --device cuda --cp 1 --seq-len "$L" --min-doc-bytes $((L / 2)) \
+          --layers 8 --hidden 1024 --heads 8 --v-heads 16 --head-dim 128 --attn-every 0 --steps "${STEPS:-4}" \
           --log-every 1 --lr 1e-3 $ckpt 2>&1 | grep -vi "tilelang\|warn" | tail -6 | tee -a "$OUT/long_seq.log"
       done ;;
     cold_start) timeout "${BENCH_TIMEOUT:-540}" python benchmarks/bench_cold_start.py --out "$OUT/cold_start" ${COLD_ARGS:-} \

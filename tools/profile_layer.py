@@ -1,0 +1,74 @@
+"""Per-kernel GPU time of the GatedDeltaNet layer, forward and forward+backward (torch.profiler):
+which pieces of ours cost more than their memory traffic, and where FLA's layer spends its time.
+
+    python tools/profile_layer.py --shapes qwen3_next_1x32k --libs ours,fla
+
+Prints one JSON line per shape, library and pass: each CUDA kernel's time per call (summed over
+--iters calls, divided by --iters), the kernel sum and the wall time per call, and writes
+profile_layer.json under --out. Shapes and layers are those of benchmarks/bench_layer.py.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+sys.path.insert(0, HERE)
+
+from bench_layer import SHAPES, call, make_layer  # noqa: E402
+from profile_kernels import kernel_times  # noqa: E402
+
+from flash_qla_cp.testing import random_cu_seqlens  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen3_next_1x32k")
+    ap.add_argument("--libs", default="ours,fla")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25, help="kernels listed per pass")
+    ap.add_argument("--out", default=os.environ.get("OUT") or ".")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    import triton.testing
+
+    device = torch.device("cuda")
+    result = []
+    for sname in args.shapes.split(","):
+        hidden, H, HV, D, B, T, lengths = SHAPES[sname]
+        cu = random_cu_seqlens(lengths, device=device) if lengths else None
+        x = torch.randn(B if cu is None else 1, T if cu is None else sum(lengths), hidden, device=device,
+                        dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        for lib in args.libs.split(","):
+            layer = make_layer(lib, hidden, H, HV, D, device, torch.bfloat16)
+            xg = x.clone().requires_grad_(True)
+
+            def fwd():
+                with torch.no_grad():
+                    call(layer, lib, x, cu)
+
+            def fwdbwd():
+                xg.grad = None
+                layer.zero_grad(set_to_none=True)
+                call(layer, lib, xg, cu).backward(dy)
+
+            for name, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+                rows = kernel_times(fn, args.iters)
+                entry = {"shape": sname, "lib": lib, "pass": name, "total_ms": round(sum(r[1] for r in rows), 4),
+                         "wall_ms": round(triton.testing.do_bench(fn, return_mode="median"), 4),
+                         "kernels": rows[: args.top]}
+                result.append(entry)
+                print(json.dumps(entry), flush=True)
+            del layer
+            torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "profile_layer.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
