@@ -142,13 +142,14 @@ def gated_norm_forward(o, P, layout, weight, eps):
     return y.view(o.shape[0], -1)
 
 
-def gated_norm_backward(dy, o, P, layout, weight, eps, dP):
+def gated_norm_backward(dy, o, P, layout, weight, eps):
     """As `reference.layer_steps.gated_norm_backward`."""
     plan = _ready(plan_gated_norm(layout, tl_dtype(P.dtype), eps))
     NT = o.shape[0]
     do = torch.empty_like(o)
+    dz = torch.empty(o.shape, dtype=P.dtype, device=P.device)
     dweight_part = P.new_empty(-(-NT // NORM_BLOCK_TOKENS), layout.num_v_heads, layout.head_v_dim,
                                dtype=torch.float32)
     runtime.compile_kernel(plan.backward)(kernel_operand(dy.reshape(o.shape).to(P.dtype)), kernel_operand(o),
-                                          kernel_operand(P), _fp32(weight), do, dP, dweight_part)
-    return do, dweight_part.sum((0, 1)).to(weight.dtype)
+                                          kernel_operand(P), _fp32(weight), do, dz, dweight_part)
+    return do, dz, dweight_part.sum((0, 1)).to(weight.dtype)

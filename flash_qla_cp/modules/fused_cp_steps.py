@@ -80,8 +80,7 @@ class GatedNorm(torch.autograd.Function):
         o, z, norm_weight = ctx.saved_tensors
         config = ctx.config
         B, T, HV, dv = o.shape
-        dz = torch.empty_like(z)
         steps = _steps(config)
-        do, dnorm_weight = steps.gated_norm_backward(dy.reshape(B * T, -1), o.view(B * T, HV, dv), z,
-                                                     config.layout.z_only(), norm_weight, config.norm_eps, dz)
-        return do.view(o.shape), dz, dnorm_weight, None
+        do, dz, dnorm_weight = steps.gated_norm_backward(dy.reshape(B * T, -1), o.view(B * T, HV, dv), z,
+                                                         config.layout.z_only(), norm_weight, config.norm_eps)
+        return do.view(o.shape), dz.view(z.shape), dnorm_weight, None

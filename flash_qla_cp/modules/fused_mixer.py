@@ -6,7 +6,8 @@ gated-norm output (the input of out_proj) out.
 Three steps, no torch autograd graph around them: the short conv + SiLU, the l2 normalisation and
 the gates are one step (`op_inputs_forward`), the gated RMSNorm another; each reads its parts of P
 where the projection wrote them (`ProjectionLayout`), so nothing is split, concatenated or copied
-between the projection and the kernels, and the backward writes every column of one dP.
+between the projection and the kernels; the backward writes every column of one dP (the z columns
+by one strided copy of dz, so that dP need not be held through the op's backward).
 
 Memory: the node keeps P, o and the parameters; the backward recomputes q, k, v, g, beta from P
 (one pass over P) instead of holding them from the forward.
@@ -92,15 +93,20 @@ def _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
     steps = _steps(config, conv_weight.shape[-1])
     B, T, width = P.shape
     rows = P.view(B * T, width)
-    dP = torch.empty_like(rows)  # the two steps' backwards write every column
-    do, dnorm_weight = steps.gated_norm_backward(dy.reshape(B * T, -1), o.view(B * T, lay.num_v_heads, -1), rows,
-                                                 lay, norm_weight, config.norm_eps, dP)
+    do, dz, dnorm_weight = steps.gated_norm_backward(dy.reshape(B * T, -1), o.view(B * T, lay.num_v_heads, -1), rows,
+                                                     lay, norm_weight, config.norm_eps)
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
                                                config.allow_neg_eigval)
     gdn = replace(gdn, q=q.view(B, T, lay.num_heads, -1), k=k.view(B, T, lay.num_heads, -1),
                   v=v.view(B, T, lay.num_v_heads, -1), g=g.view(B, T, -1), beta=beta.view(B, T, -1),
                   initial_state=initial_state)
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.view(B, T, lay.num_v_heads, -1), None, gdn)
+    del q, k, v, g, beta, gdn, do
+    # dP (P's size) is allocated only now, after the op's backward and its buffers: holding it
+    # through them would set the layer's peak memory; dz (a third of it) waits instead
+    dP = torch.empty_like(rows)  # dz and the inputs' backward write every column
+    lay.z_block(dP).copy_(dz.view(B * T, lay.num_heads, -1))
+    del dz
     dconv, dA_log, ddt_bias, _ = steps.op_inputs_backward(
         dq.reshape(B * T, lay.num_heads, -1), dk.reshape(B * T, lay.num_heads, -1),
         dv.reshape(B * T, lay.num_v_heads, -1), dg.reshape(B * T, -1), dbeta.reshape(B * T, -1), rows, lay,

@@ -102,6 +102,12 @@ class ProjectionLayout:
     def z_columns(self) -> torch.Tensor:
         return self._value_columns(self.z_offset, self.z_head_stride, self.head_v_dim)
 
+    def z_block(self, rows: torch.Tensor) -> torch.Tensor:
+        """The z columns of contiguous rows [NT, width] as a view [NT, H, group * dv] (by v-head)."""
+        NT = rows.shape[0]
+        return rows.as_strided((NT, self.num_heads, self.group * self.head_v_dim), (self.width, self.z_head_stride, 1),
+                               rows.storage_offset() + self.z_offset)
+
     def b_columns(self) -> torch.Tensor:
         return self._value_columns(self.b_offset, self.b_head_stride, 1)
 
@@ -266,9 +272,9 @@ def gated_norm_forward(o, P, layout: ProjectionLayout, weight, eps):
     return (n * weight.to(dtype) * F.silu(z)).to(o.dtype).reshape(NT, -1)
 
 
-def gated_norm_backward(dy, o, P, layout: ProjectionLayout, weight, eps, dP):
-    """Gradients of `gated_norm_forward`: returns (do [NT, HV, dv] in o's dtype, d weight in its dtype)
-    and writes the z columns of dP."""
+def gated_norm_backward(dy, o, P, layout: ProjectionLayout, weight, eps):
+    """Gradients of `gated_norm_forward`: (do [NT, HV, dv] in o's dtype, dz [NT, HV, dv] in P's dtype
+    (by v-head; `ProjectionLayout.z_block` places it in P's layout), d weight in its dtype)."""
     dtype = compute_dtype(o)
     zc = layout.z_columns().to(P.device)
     z = P[:, zc].reshape(o.shape).to(dtype)
@@ -282,5 +288,4 @@ def gated_norm_backward(dy, o, P, layout: ProjectionLayout, weight, eps, dP):
     dn = dyf * gate * w
     dweight = (dyf * gate * n).sum((0, 1))
     do = r * (dn - n * (dn * n).mean(-1, keepdim=True))
-    dP[:, zc] = dz.reshape(dz.shape[0], -1).to(dP.dtype)
-    return do.to(o.dtype), dweight.to(weight.dtype)
+    return do.to(o.dtype), dz.to(P.dtype), dweight.to(weight.dtype)

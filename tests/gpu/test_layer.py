@@ -57,7 +57,8 @@ def test_layer_step_kernels_are_their_torch_forms(lay, dtype, neg, history):
     for name, steps in (("kernel", kernel_steps), ("torch", torch_steps)):
         dP = torch.full_like(P, float("nan"))
         y = steps.gated_norm_forward(o, P, lay, norm, 1e-6)
-        do, dnorm = steps.gated_norm_backward(dy, o, P, lay, norm, 1e-6, dP)
+        do, dz, dnorm = steps.gated_norm_backward(dy, o, P, lay, norm, 1e-6)
+        lay.z_block(dP).copy_(dz.view(NT, lay.num_heads, -1))
         dconv, dA, ddt, dhist = steps.op_inputs_backward(*grads, P, lay, conv, A_log, dt_bias, positions, neg, dP,
                                                          history=hist)
         out[name] = dict(y=y, do=do, dnorm=dnorm, dP=dP, dconv=dconv, dA=dA, ddt=ddt)

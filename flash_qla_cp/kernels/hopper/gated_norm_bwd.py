@@ -1,5 +1,6 @@
-"""Backward of `gated_norm.py`: from dy to do, the z columns of dP and the weight gradient's
-per-block partial sums ([blocks, HV, dv] fp32, summed on the host in a fixed order).
+"""Backward of `gated_norm.py`: from dy to do, dz (by v-head, not in P's layout: the layer
+allocates dP only after the op's backward, see `modules/fused_mixer.py`) and the weight
+gradient's per-block partial sums ([blocks, HV, dv] fp32, summed on the host in a fixed order).
 
 With n = o r, r = rsqrt(mean(o^2) + eps), gate = silu(z): dz = dy n weight silu'(z);
 dn = dy gate weight; do = r (dn - n mean(dn n)); d weight = sum over tokens of dy gate n.
@@ -11,8 +12,8 @@ from .common import import_tilelang, tl_dtype
 
 def build_gated_norm_bwd_kernel(H: int, HV: int, dv: int, width: int, z_offset: int, z_head_stride: int, eps: float,
                                 dtype: str, block_tokens: int = 32):
-    """PrimFunc `gdn_gated_norm_bwd(dy, o, P, weight, do, dP, dweight_part)`: dy, o [NT, HV, dv],
-    P [NT, width] dtype, weight [dv] fp32 -> do [NT, HV, dv], the z columns of dP [NT, width] (dtype),
+    """PrimFunc `gdn_gated_norm_bwd(dy, o, P, weight, do, dz, dweight_part)`: dy, o [NT, HV, dv],
+    P [NT, width] dtype, weight [dv] fp32 -> do, dz [NT, HV, dv] (dtype),
     dweight_part [ceil(NT / block_tokens), HV, dv] fp32. Grid (ceil(NT / block_tokens), HV), 128 threads."""
     _, T = import_tilelang()
     dtype = tl_dtype(dtype)
@@ -29,7 +30,7 @@ def build_gated_norm_bwd_kernel(H: int, HV: int, dv: int, width: int, z_offset: 
         P: T.Tensor((NT, width), dtype),
         weight: T.Tensor((dv,), acc),
         do: T.Tensor((NT, HV, dv), dtype),
-        dP: T.Tensor((NT, width), dtype),
+        dz: T.Tensor((NT, HV, dv), dtype),
         dweight_part: T.Tensor((NB, HV, dv), acc),
     ):
         with T.Kernel(T.ceildiv(NT, BT), HV, threads=128) as (bt, hv):
@@ -55,7 +56,7 @@ def build_gated_norm_bwd_kernel(H: int, HV: int, dv: int, width: int, z_offset: 
                 g = T.if_then_else(live, T.cast(dy[t, hv, d], acc), T.float32(0))
                 n_f[i, d] = n_f[i, d] * rs_f[i]
                 if live:
-                    dP[t, col + d] = T.cast(g * n_f[i, d] * weight[d] * sig * (T.float32(1) + z * (T.float32(1) - sig)),
+                    dz[t, hv, d] = T.cast(g * n_f[i, d] * weight[d] * sig * (T.float32(1) + z * (T.float32(1) - sig)),
                                             dtype)
                 x_f[i, d] = g * z * sig * n_f[i, d]  # the weight gradient's terms
                 dn_f[i, d] = g * z * sig * weight[d]
