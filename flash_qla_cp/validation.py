@@ -48,7 +48,7 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
     num_seqs = B
     if cu_seqlens is not None:
         host = cu_seqlens
-        if cu_seqlens_cpu is not None and cu_seqlens.device.type != "cpu":  # check the copy's values
+        if cu_seqlens_cpu is not None:  # check the copy's values
             if not (isinstance(cu_seqlens_cpu, torch.Tensor) and cu_seqlens_cpu.device.type == "cpu"
                     and cu_seqlens_cpu.shape == cu_seqlens.shape):
                 _fail(f"cu_seqlens_cpu must be a CPU tensor of cu_seqlens' shape {tuple(cu_seqlens.shape)}")

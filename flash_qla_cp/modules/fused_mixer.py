@@ -64,7 +64,8 @@ def _steps(config: MixerConfig, conv_size: int = 0):
     return kernel_steps if config.backend == "tilelang" and kernels_reach else torch_steps
 
 
-def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig):
+def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig,
+             cu_seqlens_cpu=None):
     """(y [B, T, HV * dv], o [B, T, HV, dv], the op's context without its inputs, token positions)."""
     B, T, width = P.shape
     lay = config.layout
@@ -79,7 +80,7 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
         q.view(B, T, lay.num_heads, -1), k.view(B, T, lay.num_heads, -1), v.view(B, T, lay.num_v_heads, -1),
         g.view(B, T, -1), beta.view(B, T, -1), scale=config.scale, initial_state=initial_state,
         cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp, save_states=config.save_states,
-        kernel_options=config.kernel_options)
+        kernel_options=config.kernel_options, cu_seqlens_cpu=cu_seqlens_cpu)
     y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
     # the op's inputs are recomputed from P in the backward (identical values), not kept
     gdn = replace(gdn, q=None, k=None, v=None, g=None, beta=None, initial_state=None)
@@ -116,10 +117,11 @@ def _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
 
 class FusedMixer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig):
+    def forward(ctx, P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig,
+                cu_seqlens_cpu):
         config = _resolved(config, P)
         y, o, gdn, positions = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
-                                        config)
+                                        config, cu_seqlens_cpu)
         ctx.config = config
         # the op's kept chunk states saved the autograd way too (activation checkpointing drops them)
         skeleton, kept = take_tensors(gdn.kernel_saved)
@@ -133,7 +135,7 @@ class FusedMixer(torch.autograd.Function):
         gdn = replace(ctx.gdn, kernel_saved=put_tensors(ctx.gdn.kernel_saved, kept))
         grads = _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions, gdn,
                           ctx.config)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 # ---- the same under torch.compile: custom ops with tensors and plain values only ---------------
@@ -204,8 +206,9 @@ mixer_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def fused_mixer(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig, initial_state=None,
-                cu_seqlens=None) -> torch.Tensor:
-    """P [B, T, width] (B == 1 with cu_seqlens) -> the gated-norm output [B, T, HV * dv]."""
+                cu_seqlens=None, cu_seqlens_cpu=None) -> torch.Tensor:
+    """P [B, T, width] (B == 1 with cu_seqlens) -> the gated-norm output [B, T, HV * dv].
+    cu_seqlens_cpu: a CPU copy of cu_seqlens, so that the op does not read it back from the GPU."""
     if torch.compiler.is_compiling():
         y, _ = mixer_fwd(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
                          list(astuple(config.layout)), config.allow_neg_eigval, float(config.norm_eps),
@@ -214,5 +217,7 @@ def fused_mixer(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig
     if not backward_will_run(P, conv_weight, A_log, dt_bias, norm_weight, initial_state):
         # inference: the forward alone, keeping nothing for a backward
         config = _resolved(replace(config, save_states=False), P)
-        return _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config)[0]
-    return FusedMixer.apply(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config)
+        return _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
+                        cu_seqlens_cpu)[0]
+    return FusedMixer.apply(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
+                            cu_seqlens_cpu)

@@ -274,14 +274,15 @@ class GatedDeltaNet(nn.Module):
         return y, None
 
     def _core(self, q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
-              cp_context=None):
+              cp_context=None, cu_seqlens_cpu=None):
         """The gated delta rule (q, k l2-normalised inside). CP seam: `cp_context` goes to the op."""
         if initial_state is not None:
             initial_state = initial_state.to(compute_dtype(v))
         if cp_context is None and cu_seqlens is None and q.shape[1] == 1:
             o, state = recurrent_step(q, k, v, g, beta, self.head_k_dim**-0.5, initial_state)
             return o, (state if output_final_state else None)
-        extra = {"intra_cp": self.intra_cp} if cp_context is None else {"cp_context": cp_context}
+        extra = ({"intra_cp": self.intra_cp, "cu_seqlens_cpu": cu_seqlens_cpu} if cp_context is None
+                 else {"cp_context": cp_context})
         return chunk_gated_delta_rule(
             q, k, v, g, beta,
             initial_state=initial_state,
@@ -338,13 +339,13 @@ class GatedDeltaNet(nn.Module):
                                       cp_context=cp_context)
         return self.out_proj(GatedNorm.apply(o, z, self.norm.weight, config))
 
-    def _fused_mix(self, x, cu_seqlens, recurrent_state, backend):
+    def _fused_mix(self, x, cu_seqlens, cu_host, recurrent_state, backend):
         P = F.linear(x, self._projection_weight())
         config = self._mixer_config(backend)
         if recurrent_state is not None:
             recurrent_state = recurrent_state.to(compute_dtype(x))
         y = fused_mixer(P, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, config, recurrent_state,
-                        cu_seqlens)
+                        cu_seqlens, cu_host)
         return self.out_proj(y)
 
     def _output(self, o, z):
@@ -354,9 +355,12 @@ class GatedDeltaNet(nn.Module):
     # ---- input checks --------------------------------------------------------------------------
 
     def _check(self, x, attention_mask, cu_seqlens, conv_state, recurrent_state) -> tuple:
-        """Validate the forward's inputs; return the number of sequences N and whether an
-        attention_mask keeps every token (False without one, or when compiling)."""
+        """Validate the forward's inputs; return the number of sequences N, whether an
+        attention_mask keeps every token (False without one, or when compiling), and a CPU copy of
+        cu_seqlens (None without one, or when compiling): the layer's one read-back of it, which
+        the op then takes instead of reading cu_seqlens back again (each read waits for the GPU)."""
         keeps_all = False
+        cu_host = None
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             _fail(f"hidden_states must be a 3-D tensor [B, T, hidden_size={self.hidden_size}], got {got}")
@@ -385,7 +389,8 @@ class GatedDeltaNet(nn.Module):
                 _fail(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
             N = cu_seqlens.numel() - 1
             if not torch.compiler.is_compiling():  # (values: a host read, which a traced call cannot make)
-                edges = cu_seqlens.tolist()
+                cu_host = cu_seqlens.cpu()
+                edges = cu_host.tolist()
                 if edges[0] != 0 or edges[-1] != T or any(b < a for a, b in zip(edges, edges[1:])):
                     _fail(f"cu_seqlens must rise from 0 to T={T}, got {edges}")
         if conv_state is not None:
@@ -397,7 +402,7 @@ class GatedDeltaNet(nn.Module):
             want = (N, self.num_v_heads, self.head_k_dim, self.head_v_dim)
             if tuple(recurrent_state.shape) != want:
                 _fail(f"recurrent state must be [N, HV, dk, dv] = {want}, got {tuple(recurrent_state.shape)}")
-        return N, keeps_all
+        return N, keeps_all, cu_host
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -405,8 +410,10 @@ class GatedDeltaNet(nn.Module):
              output_final_state=False, cp_context=None):
         """The layer. Returns (output [B, T, D], new conv state, new recurrent state, conv input [B, T, C])."""
         num_seqs = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) else 0
+        cu_host = None
         if cp_context is None:
-            num_seqs, keeps_all = self._check(hidden_states, attention_mask, cu_seqlens, conv_state, recurrent_state)
+            num_seqs, keeps_all, cu_host = self._check(hidden_states, attention_mask, cu_seqlens, conv_state,
+                                                       recurrent_state)
             if keeps_all:  # a mask without padding changes nothing: the call can run fused
                 attention_mask = None
         else:
@@ -422,7 +429,7 @@ class GatedDeltaNet(nn.Module):
         if fused is not None and cp_context is not None:
             return self._fused_cp_mix(hidden_states, cu_seqlens, recurrent_state, cp_context, fused), None, None, None
         if fused is not None:
-            return self._fused_mix(hidden_states, cu_seqlens, recurrent_state, fused), None, None, None
+            return self._fused_mix(hidden_states, cu_seqlens, cu_host, recurrent_state, fused), None, None, None
         keep = None
         if attention_mask is not None:
             # padded tokens: zero input (nothing leaks through the conv), g = beta = 0 (the state passes
@@ -445,7 +452,8 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(B, T, self.num_heads, self.head_k_dim)
         v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
 
-        o, new_state = self._core(q, k, v, g, beta, recurrent_state, output_final_state, cu_seqlens, cp_context)
+        o, new_state = self._core(q, k, v, g, beta, recurrent_state, output_final_state, cu_seqlens, cp_context,
+                                  cu_host)
         if keep is not None:
             o = torch.where(keep[..., None, None], o, 0.0)
         return self._output(o, z), new_conv_state, new_state, mixed

@@ -295,3 +295,44 @@ def test_kept_chunk_states_are_saved_the_autograd_way():
             out.float().sum().backward()
         assert (64, 4, 128, 128) in packed, (name, packed)
         assert any("bwd" in n for n in launches.names()), name  # the backward ran on what it got back
+
+
+class HostReads(torch.Tensor):
+    """cu_seqlens that counts its reads to the host (.cpu(), .tolist(), .item(), of it or of a
+    tensor computed from it): on a GPU each one waits for the work queued before it."""
+
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy):
+            HostReads.reads += 1
+            args = [a.as_subclass(torch.Tensor) if isinstance(a, HostReads) else a for a in args]
+            return func(*args, **(kwargs or {}))  # a host copy: reading it costs nothing more
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "steps"])
+def test_layer_reads_cu_seqlens_back_once_per_forward(fused):
+    """The layer reads cu_seqlens back once (its check) and hands that copy to the op, whose
+    forward (split planning, chunk tables) and backward then read nothing back."""
+    from flash_qla_cp import GatedDeltaNet
+
+    m = GatedDeltaNet(256, 2, 4, 128, 128).to(torch.bfloat16)
+    if not fused:
+        m._fused_backend = lambda *args: None
+    x = torch.zeros(1, 300, 256, dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, 1, 120, 300], dtype=torch.int32).as_subclass(HostReads)
+    tilelang = lambda *a: "tilelang"  # noqa: E731
+    with mock.patch("flash_qla_cp.ops.choose_backend", tilelang), \
+            mock.patch("flash_qla_cp.api.choose_backend", tilelang), \
+            mock.patch("flash_qla_cp.modules.fused_mixer.choose_backend", tilelang), \
+            mock.patch("flash_qla_cp.modules.gated_deltanet.choose_backend", tilelang):
+        def call():
+            HostReads.reads = 0
+            m(x, cu_seqlens=cu).float().sum().backward()
+
+        _, launches, _ = run_recorded(call)
+    assert any("layer_inputs" in n for n in launches.names()) is fused
+    assert any("bwd" in n for n in launches.names())
+    assert HostReads.reads == 1
