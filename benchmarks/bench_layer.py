@@ -168,6 +168,8 @@ def main():
                          "chunk states recomputed in the backward), fla")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-compile", action="store_true", help="eager only")
+    ap.add_argument("--merge", default=None,
+                    help="a bench_layer.json of an earlier run whose rows (other shapes, libs or modes) the output keeps")
     ap.add_argument("--check-tokens", type=int, default=4096, help="tokens of the accuracy check (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -192,6 +194,15 @@ def main():
         if args.check_tokens:
             meta["accuracy"][name] = accuracy(SHAPES[name], device, dtype, min(args.check_tokens, SHAPES[name][5]))
             print(json.dumps({"shape": name, "accuracy": meta["accuracy"][name]}), flush=True)
+    if args.merge:  # e.g. the compile rows of a run on fewer shapes
+        with open(args.merge) as f:
+            earlier = json.load(f)
+        done = {(r["shape"], r["lib"], r["mode"]) for r in rows}
+        rows += [r for r in earlier["rows"] if (r["shape"], r["lib"], r["mode"]) not in done]
+        order = list(SHAPES)
+        rows.sort(key=lambda r: (order.index(r["shape"]), r["lib"], r["mode"]))
+        meta["accuracy"] = {**earlier["meta"].get("accuracy", {}), **meta["accuracy"]}
+        meta["command"] += f" (plus the rows of: {earlier['meta']['command']})"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
