@@ -156,10 +156,10 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
     sms = runtime.sm_count(dev)
     split_saved = saved.split if saved is not None else None
     dense_tabs = None
-    if cu_seqlens is not None:
-        cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
-    elif split_saved is not None:  # the partitions' tables replace the sequences' (below)
+    if split_saved is not None:  # the partitions are the sequences of every kernel below
         cu = split_saved.part_cu
+    elif cu_seqlens is not None:
+        cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
     else:  # a dense batch is B packed sequences of T; their tables come from the host (below)
         dense_tabs = split.plan_split([b * Tn for b in range(B + 1)], HV, V, 1).device_tensors(dev)
         cu = dense_tabs["part_cu"]

@@ -80,6 +80,7 @@ def fwd_bwd(q, k, v, g, beta, cu=None, h0=None, with_dht=False, keep=True, intra
     return call
 
 
+SPLIT_CU = torch.tensor([0, 40000, 65536], dtype=torch.int32)  # two sequences, long enough to split
 VARLEN_CU = torch.tensor([0, 5000, 5003, 12004, 16004, 20101], dtype=torch.int32)
 
 
@@ -239,20 +240,20 @@ def test_conv_history_gradient_from_the_kernels_first_rows(continuing):
     assert torch.allclose(_history_grad(dy_head, weight, positions), history.grad, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["dense", "varlen_h0", "split"])
+@pytest.mark.parametrize("case", ["dense", "varlen_h0", "split", "varlen_split"])
 def test_training_forward_compiles_the_backward_it_will_need(case):
     """A forward that keeps its states and returns no final state compiles, with its own plan, the
     backward plan the following backward then asks for (one round of compilation, not two)."""
     from flash_qla_cp.ops import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 
     T, cu, h0 = {"dense": (4096, None, None), "varlen_h0": (20101, VARLEN_CU, torch.zeros(5, 4, 128, 128)),
-                 "split": (32768, None, None)}[case]
+                 "split": (32768, None, None), "varlen_split": (65536, SPLIT_CU, None)}[case]
     q, k, v, g, beta = inputs(T, 2, 4)
 
     def call():
         with mock.patch("flash_qla_cp.ops.choose_backend", lambda *a: "tilelang"):
             o, _, ctx = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
-                                                   backend="tilelang", intra_cp="auto" if case == "split" else "off",
+                                                   backend="tilelang", intra_cp="auto" if "split" in case else "off",
                                                    save_states=True)
             return chunk_gated_delta_rule_bwd(torch.zeros_like(o), None, ctx)
 
@@ -263,7 +264,27 @@ def test_training_forward_compiles_the_backward_it_will_need(case):
         call()
     (forward_plan, predicted), (backward_plan,) = launches.plans
     assert predicted == backward_plan
-    assert ("build_decay_tables_kernel" in [s.name for s in forward_plan.specs()]) == (case == "split")
+    assert ("build_decay_tables_kernel" in [s.name for s in forward_plan.specs()]) == ("split" in case)
+
+
+def test_split_varlen_backward_walks_the_forwards_partitions():
+    """Packed sequences cut into partitions: the backward's walks take the partitions' offsets
+    (those of the forward's walk) and write one entering-state gradient per partition, then one
+    per sequence for the caller."""
+    q, k, v, g, beta = inputs(65536, 2, 4)
+    h0 = torch.zeros(2, 4, 128, 128)
+    _, launches, _ = run_recorded(fwd_bwd(q, k, v, g, beta, cu=SPLIT_CU, h0=h0))
+    forward_walk = next(args for spec, args in launches.calls if spec.name.startswith("build_fused_fwd"))
+    part_cu = forward_walk[5]
+    assert part_cu.numel() - 1 > 2  # split
+    warmup = next(args for spec, args in launches.calls if spec.kwargs.get("limit_chunks"))
+    assert torch.equal(warmup[5], part_cu) and warmup[9].shape[0] == part_cu.numel() - 1  # (cu, dh0)
+    walks = [(spec, args) for spec, args in launches.calls if spec.name.startswith(("build_bwd_dh", "build_bwd_fused"))]
+    for spec, args in walks:  # every backward walk reads the partitions' offsets, none the sequences'
+        offsets = [a for a in args if torch.is_tensor(a) and a.dtype == torch.int32 and a.dim() == 1
+                   and a.numel() in (part_cu.numel(), SPLIT_CU.numel()) and int(a[-1]) == 65536]
+        assert len(offsets) == 1 and torch.equal(offsets[0], part_cu), spec.name
+    assert_launches_match_signatures(launches)
 
 
 def test_kept_chunk_states_are_saved_the_autograd_way():
