@@ -6,7 +6,7 @@
 #   then, here: cp <files_at>/tlcache.tar.xz .device/   (the next call compiles nothing it has seen)
 #   kernels new to the device can be compiled into that archive beforehand on a CPU machine:
 #   python tools/precompile_cache.py --log kernels.jsonl (the kernels a call returned) or
-#   --bench-shapes tp1_1x32k,...
+#   --bench-shapes tp1_1x32k,... / --gpu-tests / --train-recipe 131072,...
 #
 # Phases:
 #   tests      pytest -m gpu tests/gpu (TESTS narrows it, e.g. TESTS="tests/gpu/test_op.py -k split")

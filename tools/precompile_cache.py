@@ -4,11 +4,16 @@ per kernel there).
 
     python tools/precompile_cache.py --log kernels.jsonl [--tar .device/tlcache.tar.xz]
     python tools/precompile_cache.py --bench-shapes tp1_1x32k,tp8_1x32k
+    python tools/precompile_cache.py --gpu-tests --train-recipe 131072,262144,524288,1048576
 
 --log: the kernel log a GPU run wrote (FLASH_QLA_CP_KERNEL_LOG; tools/device_session.sh sets it).
 --bench-shapes: the kernels our op launches for those shapes of benchmarks/bench_kernels.py
 (forward with final states, and fwd+bwd with and without kept states), found by running the host
 code on CPU tensors with every launch recorded instead of run (the plans decide, as on the GPU).
+--gpu-tests: the same for every case and option of tests/gpu/test_op.py.
+--train-recipe: the same for the long-sequence training recipe (8 / 16 heads of 128, the
+fused layer's kernels and the op's fwd+bwd on the packed rows of examples/hybrid_lm's corpus)
+at these tokens per step.
 TileLang's cache key is the kernel's script, the target and the pass configs, none of which
 needs a GPU: with the arch pinned to the device's, the keys are the device's. Needs nvcc here
 (`pip install "tilelang[nvcc]"` or a CUDA toolkit).
@@ -77,17 +82,82 @@ def bench_shape_specs(names, sms=132):
     return list(found)
 
 
+def _recording(sms):
+    """Context: every kernel launch recorded (specs in first-use order) instead of run."""
+    from contextlib import ExitStack
+
+    from flash_qla_cp.kernels import runtime
+
+    found = {}
+
+    def record(spec):
+        found.setdefault(spec, None)
+        return lambda *args: None
+
+    stack = ExitStack()
+    for target, name, value in ((runtime, "compile_kernel", record), (runtime, "compile_plan", lambda *p: None),
+                                (runtime, "sm_count", lambda d: sms)):
+        stack.enter_context(mock.patch.object(target, name, value))
+    for module in ("flash_qla_cp.ops", "flash_qla_cp.api"):
+        stack.enter_context(mock.patch(f"{module}.choose_backend", lambda *a: "tilelang"))
+    return stack, found
+
+
+def gpu_test_specs(sms=132):
+    """[KernelSpec] of tests/gpu/test_op.py: each case once, the quick cases with each option."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    import test_op
+    from gdn_checks import make_inputs, run_op
+
+    jobs = [(name, {}) for name in test_op.CASES]
+    jobs += [(name, test_op.OPTIONS[o]) for name in test_op.QUICK for o in test_op.OPTIONS if o != "default"]
+    stack, found = _recording(sms)
+    with stack:
+        for name, options in jobs:
+            case = test_op.CASES[name]
+            run_op(case, make_inputs(case), "cpu", "tilelang", **options)
+    return list(found)
+
+
+def train_recipe_specs(seq_lens, sms=132, steps=6):
+    """[KernelSpec] of the training recipe's GDN layers (H 8, HV 16, K = V = 128, bf16): the fused
+    layer's kernels and the op's training fwd+bwd on the first `steps` packed rows per length."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from hybrid_lm.data import DocumentPacker
+
+    from flash_qla_cp.kernels.backward import tilelang_backward
+    from flash_qla_cp.kernels.forward import tilelang_forward
+    from flash_qla_cp.precompile import layer_specs
+
+    H, HV, D = 8, 16, 128
+    stack, found = _recording(sms)
+    with stack:
+        for L in seq_lens:
+            packer = DocumentPacker(L, min_doc_bytes=L // 2)  # the recipe's packing (tools/device_session.sh)
+            q = torch.zeros(1, L, H, D, dtype=torch.bfloat16)
+            v = torch.zeros(1, L, HV, D, dtype=torch.bfloat16)
+            g = torch.zeros(1, L, HV)
+            for step in range(steps):
+                cu = packer.batch(step).cu_seqlens
+                o, _, saved = tilelang_forward(q, q, v, g, g, D**-0.5, None, False, cu, intra_cp="auto",
+                                               save_states=True)
+                tilelang_backward(torch.zeros_like(o), None, q, q, v, g, g, D**-0.5, None, cu, saved)
+    return [*layer_specs(H, HV, D, D, "bfloat16", "qwen3_next", 4, False, 1e-6), *found]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--log", help="a kernel log (JSON lines) a GPU run wrote")
     ap.add_argument("--bench-shapes", help="comma-separated shape names of benchmarks/bench_kernels.py")
+    ap.add_argument("--gpu-tests", action="store_true", help="the kernels of tests/gpu/test_op.py")
+    ap.add_argument("--train-recipe", help="comma-separated tokens per step of the training recipe")
     ap.add_argument("--arch", default="sm_90a", help="the device's arch (H200: sm_90a)")
     ap.add_argument("--sms", type=int, default=132, help="the device's SM count (H200: 132)")
     ap.add_argument("--tar", default=".device/tlcache.tar.xz", help="cache archive to extend (created if absent)")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
-    if not (args.log or args.bench_shapes):
-        ap.error("give --log and / or --bench-shapes")
+    if not (args.log or args.bench_shapes or args.gpu_tests or args.train_recipe):
+        ap.error("give --log, --bench-shapes, --gpu-tests and / or --train-recipe")
 
     work = tempfile.mkdtemp(prefix="tlcache_")
     if os.path.exists(args.tar):
@@ -102,6 +172,10 @@ def main():
     todo = load_log(args.log) if args.log else []
     if args.bench_shapes:
         todo += bench_shape_specs(args.bench_shapes.split(","), args.sms)
+    if args.gpu_tests:
+        todo += gpu_test_specs(args.sms)
+    if args.train_recipe:
+        todo += train_recipe_specs([int(n) for n in args.train_recipe.split(",")], args.sms)
     todo = list(dict.fromkeys(todo))
     start = time.time()
     done = 0
