@@ -357,3 +357,37 @@ def test_layer_reads_cu_seqlens_back_once_per_forward(fused):
     assert any("layer_inputs" in n for n in launches.names()) is fused
     assert any("bwd" in n for n in launches.names())
     assert HostReads.reads == 1
+
+
+def test_fused_layer_backward_holds_one_projection_sized_buffer_through_the_op():
+    """Peak memory: while the op's backward walks, the only tensor of the projection rows' size
+    alive is P itself (kept from the forward); dP is allocated after the op's buffers are freed."""
+    import gc
+
+    from flash_qla_cp import GatedDeltaNet
+    from flash_qla_cp.modules import fused_mixer
+
+    m = GatedDeltaNet(256, 2, 4, 128, 128, backend="torch").to(torch.bfloat16)
+    P = torch.zeros(1, 4096, m.projection_layout.width, dtype=torch.bfloat16, requires_grad=True)
+    config = fused_mixer.MixerConfig(m.projection_layout, False, 1e-6, 128**-0.5, "tilelang", "off", True)
+    seen = []
+
+    class Watching(Launches):
+        def compile_kernel(self, spec):
+            def launch(*args):
+                if spec.name.startswith(("build_bwd_fused", "build_bwd_dh")):  # the op's backward walk
+                    gc.collect()
+                    seen.append(len({t.untyped_storage().data_ptr() for t in gc.get_objects() if torch.is_tensor(t)
+                                     and t.untyped_storage().nbytes() == P.untyped_storage().nbytes()}))
+                self.calls.append((spec, args))
+            return launch
+
+    launches = Watching()
+    with mock.patch.object(runtime, "compile_kernel", launches.compile_kernel), \
+            mock.patch.object(runtime, "compile_plan", launches.compile_plan), \
+            mock.patch.object(runtime, "sm_count", lambda device: SMS), \
+            mock.patch("flash_qla_cp.ops.choose_backend", lambda *a: "tilelang"):
+        y = fused_mixer.fused_mixer(P, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight, config)
+        y.float().sum().backward()
+    assert seen and all(n == 1 for n in seen), seen
+    assert P.grad is not None and P.grad.shape == P.shape
