@@ -6,6 +6,7 @@ dtype of each buffer, and how many torch fill launches a call adds (each is a la
 host time that made small eager calls host-bound on the H200).
 """
 
+import functools
 from unittest import mock
 
 import pytest
@@ -146,11 +147,16 @@ def test_unsplit_varlen_call_needs_no_fill():
     assert fills == 0
 
 
+@functools.lru_cache(maxsize=None)
+def _built(spec):
+    return spec.build()
+
+
 def assert_launches_match_signatures(launches):
     """Each recorded launch passes one argument per PrimFunc parameter, tensors of the buffer's
     rank and dtype: the plumbing between the host code and the kernels, checked without a GPU."""
     for spec, args in launches.calls:
-        prim = spec.build()
+        prim = _built(spec)
         assert len(args) == len(prim.params), spec.name
         for var, arg in zip(prim.params, args):
             buf = prim.buffer_map.get(var)
@@ -391,3 +397,34 @@ def test_fused_layer_backward_holds_one_projection_sized_buffer_through_the_op()
         y.float().sum().backward()
     assert seen and all(n == 1 for n in seen), seen
     assert P.grad is not None and P.grad.shape == P.shape
+
+
+def _gpu_op_cases():
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "gpu"))
+    import test_op
+
+    # (the 16 / 32-head and 128k-token cases repeat paths of smaller ones, at CPU cost)
+    return {name: case for name, case in test_op.CASES.items() if sum(case.lengths) * case.HV <= 200_000}
+
+
+@pytest.mark.parametrize("name", list(_gpu_op_cases()))
+def test_gpu_cases_host_paths_run_and_match_their_kernels(name):
+    """Every case of tests/gpu/test_op.py through the public op on the TileLang path, here with
+    launches recorded: the host code runs to the end (buffers of the sizes autograd expects) and
+    each launch matches its kernel's signature, before a GPU session is spent on it."""
+    from gdn_checks import make_inputs, run_op
+
+    case = _gpu_op_cases()[name]
+    launches = Launches()
+    with mock.patch.object(runtime, "compile_kernel", launches.compile_kernel), \
+            mock.patch.object(runtime, "compile_plan", launches.compile_plan), \
+            mock.patch.object(runtime, "sm_count", lambda device: SMS), \
+            mock.patch("flash_qla_cp.ops.choose_backend", lambda *a: "tilelang"), \
+            mock.patch("flash_qla_cp.api.choose_backend", lambda *a: "tilelang"):
+        out = run_op(case, make_inputs(case), "cpu", "tilelang")
+    assert ("dh0" in out) == case.with_h0
+    assert any(spec.name.startswith("build_bwd") for spec, _ in launches.calls)
+    assert_launches_match_signatures(launches)
