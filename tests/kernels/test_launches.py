@@ -428,3 +428,28 @@ def test_gpu_cases_host_paths_run_and_match_their_kernels(name):
     assert ("dh0" in out) == case.with_h0
     assert any(spec.name.startswith("build_bwd") for spec, _ in launches.calls)
     assert_launches_match_signatures(launches)
+
+
+@pytest.mark.parametrize("intra_cp,exact", [(8, True), ("auto", False)])
+def test_gpu_cp_case_host_path_runs_and_matches_its_kernels(intra_cp, exact):
+    """tests/gpu/test_cp.py's single-process CP context (the torch split engine around the
+    TileLang op) on the CPU with launches recorded, as above."""
+    from flash_qla_cp import CPContext
+
+    _gpu_op_cases()  # (puts tests/gpu on the path)
+    from gdn_checks import make_inputs, run_op
+    from test_cp import CASE
+
+    inputs = make_inputs(CASE)
+    launches = Launches()
+    with mock.patch.object(runtime, "compile_kernel", launches.compile_kernel), \
+            mock.patch.object(runtime, "compile_plan", launches.compile_plan), \
+            mock.patch.object(runtime, "sm_count", lambda device: SMS), \
+            mock.patch("flash_qla_cp.ops.choose_backend", lambda *a: "tilelang"), \
+            mock.patch("flash_qla_cp.api.choose_backend", lambda *a: "tilelang"), \
+            mock.patch("flash_qla_cp.parallel.dual.choose_backend", lambda *a: "tilelang"):
+        out = run_op(CASE, inputs, "cpu", "tilelang",
+                     cp_context=CPContext.single(inputs.cu, intra_cp=intra_cp, intra_exact=exact))
+    assert "dh0" in out
+    assert any(spec.name.startswith("build_bwd") for spec, _ in launches.calls)
+    assert_launches_match_signatures(launches)
