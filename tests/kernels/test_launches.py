@@ -457,3 +457,23 @@ def test_gpu_cp_case_host_path_runs_and_matches_its_kernels(intra_cp, exact):
     assert "dh0" in out
     assert any(spec.name.startswith("build_bwd") for spec, _ in launches.calls)
     assert_launches_match_signatures(launches)
+
+
+@pytest.mark.parametrize("lengths", [(40000, 25536), (4096, 1, 300)], ids=["split", "unsplit"])
+def test_fused_layer_compiles_only_kernels_it_launches(lengths):
+    """A training step of the fused layer compiles its kernels in rounds ahead of their launches
+    (the layer's, then the op's forward with the backward it predicts): every kernel compiled is
+    launched in that step, so no round spends minutes on a kernel the step does not use."""
+    from flash_qla_cp import GatedDeltaNet
+
+    m = GatedDeltaNet(256, 2, 4, 128, 128, intra_cp="auto").to(torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    x = torch.zeros(1, sum(lengths), 256, dtype=torch.bfloat16, requires_grad=True)
+    tilelang = lambda *a: "tilelang"  # noqa: E731
+    with mock.patch("flash_qla_cp.ops.choose_backend", tilelang), \
+            mock.patch("flash_qla_cp.modules.fused_mixer.choose_backend", tilelang), \
+            mock.patch("flash_qla_cp.modules.gated_deltanet.choose_backend", tilelang):
+        _, launches, _ = run_recorded(lambda: m(x, cu_seqlens=cu).float().sum().backward())
+    launched = {spec for spec, _ in launches.calls}
+    compiled = {spec for plans in launches.plans for plan in plans for spec in plan.specs()}
+    assert compiled and compiled <= launched, sorted(s.name for s in compiled - launched)
