@@ -477,3 +477,25 @@ def test_fused_layer_compiles_only_kernels_it_launches(lengths):
     launched = {spec for spec, _ in launches.calls}
     compiled = {spec for plans in launches.plans for plan in plans for spec in plan.specs()}
     assert compiled and compiled <= launched, sorted(s.name for s in compiled - launched)
+
+
+def test_fused_layer_under_a_cp_context_launches_match_their_kernels():
+    """The fused layer's CP form (layer inputs with the conv halo, the CP op, the gated norm) on the
+    TileLang path of a single-process context: its kernels, in order, with their signatures."""
+    from flash_qla_cp import CPContext, GatedDeltaNet
+
+    m = GatedDeltaNet(256, 2, 4, 128, 128).to(torch.bfloat16)
+    cu = torch.tensor([0, 40000, 65536], dtype=torch.int32)
+    x = torch.zeros(1, 65536, 256, dtype=torch.bfloat16, requires_grad=True)
+    tilelang = lambda *a: "tilelang"  # noqa: E731
+    with mock.patch("flash_qla_cp.ops.choose_backend", tilelang), \
+            mock.patch("flash_qla_cp.api.choose_backend", tilelang), \
+            mock.patch("flash_qla_cp.parallel.dual.choose_backend", tilelang), \
+            mock.patch("flash_qla_cp.modules.fused_mixer.choose_backend", tilelang), \
+            mock.patch("flash_qla_cp.modules.gated_deltanet.choose_backend", tilelang):
+        cp = CPContext.single(cu, intra_cp="auto")
+        _, launches, _ = run_recorded(lambda: m(x, cu_seqlens=cu, cp_context=cp).float().sum().backward())
+    names = launches.names()
+    assert names[0] == "build_layer_inputs_kernel" and names[-1] == "build_layer_inputs_bwd_kernel"
+    assert names.index("build_gated_norm_kernel") < names.index("build_gated_norm_bwd_kernel")
+    assert_launches_match_signatures(launches)
