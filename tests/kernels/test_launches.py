@@ -6,6 +6,7 @@ dtype of each buffer, and how many torch fill launches a call adds (each is a la
 host time that made small eager calls host-bound on the H200).
 """
 
+import contextlib
 import functools
 from unittest import mock
 
@@ -39,6 +40,19 @@ class Launches:
 
     def params(self, i):
         return self.calls[i][0].kwargs
+
+
+@contextlib.contextmanager
+def tilelang_path(launches, backend_modules=("ops", "api")):
+    """Kernels recorded by `launches` (an H200's SM count), and the TileLang backend chosen where
+    the named modules of the package choose one (it needs a GPU, which is not here)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(runtime, "compile_kernel", launches.compile_kernel))
+        stack.enter_context(mock.patch.object(runtime, "compile_plan", launches.compile_plan))
+        stack.enter_context(mock.patch.object(runtime, "sm_count", lambda device: SMS))
+        for module in backend_modules:
+            stack.enter_context(mock.patch(f"flash_qla_cp.{module}.choose_backend", lambda *a: "tilelang"))
+        yield launches
 
 
 def run_recorded(fn):
@@ -312,11 +326,7 @@ def test_kept_chunk_states_are_saved_the_autograd_way():
     for name, call in calls.items():
         packed = []
         launches = Launches()
-        with mock.patch.object(runtime, "compile_kernel", launches.compile_kernel), \
-                mock.patch.object(runtime, "compile_plan", launches.compile_plan), \
-                mock.patch.object(runtime, "sm_count", lambda device: SMS), \
-                mock.patch("flash_qla_cp.ops.choose_backend", lambda *a: "tilelang"), \
-                mock.patch("flash_qla_cp.api.choose_backend", lambda *a: "tilelang"):
+        with tilelang_path(launches):
             with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(tuple(t.shape)) or t, lambda t: t):
                 out = call()
             out.float().sum().backward()
@@ -392,11 +402,7 @@ def test_fused_layer_backward_holds_one_projection_sized_buffer_through_the_op()
                 self.calls.append((spec, args))
             return launch
 
-    launches = Watching()
-    with mock.patch.object(runtime, "compile_kernel", launches.compile_kernel), \
-            mock.patch.object(runtime, "compile_plan", launches.compile_plan), \
-            mock.patch.object(runtime, "sm_count", lambda device: SMS), \
-            mock.patch("flash_qla_cp.ops.choose_backend", lambda *a: "tilelang"):
+    with tilelang_path(Watching(), ("ops",)):
         y = fused_mixer.fused_mixer(P, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight, config)
         y.float().sum().backward()
     assert seen and all(n == 1 for n in seen), seen
@@ -422,12 +428,7 @@ def test_gpu_cases_host_paths_run_and_match_their_kernels(name):
     from gdn_checks import make_inputs, run_op
 
     case = _gpu_op_cases()[name]
-    launches = Launches()
-    with mock.patch.object(runtime, "compile_kernel", launches.compile_kernel), \
-            mock.patch.object(runtime, "compile_plan", launches.compile_plan), \
-            mock.patch.object(runtime, "sm_count", lambda device: SMS), \
-            mock.patch("flash_qla_cp.ops.choose_backend", lambda *a: "tilelang"), \
-            mock.patch("flash_qla_cp.api.choose_backend", lambda *a: "tilelang"):
+    with tilelang_path(Launches()) as launches:
         out = run_op(case, make_inputs(case), "cpu", "tilelang")
     assert ("dh0" in out) == case.with_h0
     assert any(spec.name.startswith("build_bwd") for spec, _ in launches.calls)
@@ -445,13 +446,7 @@ def test_gpu_cp_case_host_path_runs_and_matches_its_kernels(intra_cp, exact):
     from test_cp import CASE
 
     inputs = make_inputs(CASE)
-    launches = Launches()
-    with mock.patch.object(runtime, "compile_kernel", launches.compile_kernel), \
-            mock.patch.object(runtime, "compile_plan", launches.compile_plan), \
-            mock.patch.object(runtime, "sm_count", lambda device: SMS), \
-            mock.patch("flash_qla_cp.ops.choose_backend", lambda *a: "tilelang"), \
-            mock.patch("flash_qla_cp.api.choose_backend", lambda *a: "tilelang"), \
-            mock.patch("flash_qla_cp.parallel.dual.choose_backend", lambda *a: "tilelang"):
+    with tilelang_path(Launches(), ("ops", "api", "parallel.dual")) as launches:
         out = run_op(CASE, inputs, "cpu", "tilelang",
                      cp_context=CPContext.single(inputs.cu, intra_cp=intra_cp, intra_exact=exact))
     assert "dh0" in out
