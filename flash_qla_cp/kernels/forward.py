@@ -191,14 +191,13 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
     use_h0 = initial_state is not None
     kernels = plan_forward(H, HV, K, V, q.dtype, float(scale), varlen, use_h0, output_final_state, state_v_first,
                          plan.num_parts if plan else N, sms, N if plan else 0, save_states, options)
+    store_states = kernels.fused.kwargs.get("store_states", False)
     companions = ()
     if backward_plan is not None:
-        companions = (backward_plan(plan.num_parts if plan else N, N if plan else 0,
-                                    kernels.fused.kwargs.get("store_states", False)),)
+        companions = (backward_plan(plan.num_parts if plan else N, N if plan else 0, store_states),)
     runtime.compile_plan(kernels, *companions)  # first use: every kernel of the call at once, in parallel
     g_cum, ag, chunk_tab = run_prepare(kernels.prepare, k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
     saved = ForwardSaved(g_cum, ag, chunk_tab, seq_offsets)
-    store_states = kernels.fused.kwargs.get("store_states", False)
     if plan is not None:
         o, final = _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_v_first, plan,
                                   kernels, saved, store_states)
