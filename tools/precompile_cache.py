@@ -20,6 +20,7 @@ needs a GPU: with the arch pinned to the device's, the keys are the device's. Ne
 """
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -48,23 +49,36 @@ def load_log(path):
     return specs
 
 
-def bench_shape_specs(names, sms=132):
-    """[KernelSpec] our op launches for the named bench shapes, each once, in first-use order."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from bench_kernels import SHAPES, shape_cu
-
+@contextlib.contextmanager
+def recording(sms):
+    """Every kernel launch recorded instead of run (a launch that does nothing: outputs stay as
+    allocated), the TileLang backend chosen by the op; yields the specs in first-use order."""
     from flash_qla_cp.kernels import runtime
-    from flash_qla_cp.kernels.backward import tilelang_backward
-    from flash_qla_cp.kernels.forward import tilelang_forward
 
     found = {}
 
     def record(spec):
         found.setdefault(spec, None)
-        return lambda *args: None  # a launch that does nothing: outputs stay as allocated
+        return lambda *args: None
 
-    with mock.patch.object(runtime, "compile_kernel", record), mock.patch.object(runtime, "compile_plan", lambda p: None), \
-            mock.patch.object(runtime, "sm_count", lambda d: sms):
+    with contextlib.ExitStack() as stack:
+        for name, value in (("compile_kernel", record), ("compile_plan", lambda *p: None),
+                            ("sm_count", lambda d: sms)):
+            stack.enter_context(mock.patch.object(runtime, name, value))
+        for module in ("flash_qla_cp.ops", "flash_qla_cp.api"):
+            stack.enter_context(mock.patch(f"{module}.choose_backend", lambda *a: "tilelang"))
+        yield found
+
+
+def bench_shape_specs(names, sms=132):
+    """[KernelSpec] our op launches for the named bench shapes, each once, in first-use order."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_kernels import SHAPES, shape_cu
+
+    from flash_qla_cp.kernels.backward import tilelang_backward
+    from flash_qla_cp.kernels.forward import tilelang_forward
+
+    with recording(sms) as found:
         for name in names:
             B, T, H, HV, K, V, nseq = SHAPES[name]
             if nseq:
@@ -82,27 +96,6 @@ def bench_shape_specs(names, sms=132):
     return list(found)
 
 
-def _recording(sms):
-    """Context: every kernel launch recorded (specs in first-use order) instead of run."""
-    from contextlib import ExitStack
-
-    from flash_qla_cp.kernels import runtime
-
-    found = {}
-
-    def record(spec):
-        found.setdefault(spec, None)
-        return lambda *args: None
-
-    stack = ExitStack()
-    for target, name, value in ((runtime, "compile_kernel", record), (runtime, "compile_plan", lambda *p: None),
-                                (runtime, "sm_count", lambda d: sms)):
-        stack.enter_context(mock.patch.object(target, name, value))
-    for module in ("flash_qla_cp.ops", "flash_qla_cp.api"):
-        stack.enter_context(mock.patch(f"{module}.choose_backend", lambda *a: "tilelang"))
-    return stack, found
-
-
 def gpu_test_specs(sms=132):
     """[KernelSpec] of tests/gpu/test_op.py: each case once, the quick cases with each option."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
@@ -111,8 +104,7 @@ def gpu_test_specs(sms=132):
 
     jobs = [(name, {}) for name in test_op.CASES]
     jobs += [(name, test_op.OPTIONS[o]) for name in test_op.QUICK for o in test_op.OPTIONS if o != "default"]
-    stack, found = _recording(sms)
-    with stack:
+    with recording(sms) as found:
         for name, options in jobs:
             case = test_op.CASES[name]
             run_op(case, make_inputs(case), "cpu", "tilelang", **options)
@@ -130,8 +122,7 @@ def train_recipe_specs(seq_lens, sms=132, steps=6):
     from flash_qla_cp.precompile import layer_specs
 
     H, HV, D = 8, 16, 128
-    stack, found = _recording(sms)
-    with stack:
+    with recording(sms) as found:
         for L in seq_lens:
             packer = DocumentPacker(L, min_doc_bytes=L // 2)  # the recipe's packing (tools/device_session.sh)
             q = torch.zeros(1, L, H, D, dtype=torch.bfloat16)
