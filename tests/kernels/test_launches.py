@@ -43,15 +43,22 @@ class Launches:
 
 
 @contextlib.contextmanager
-def tilelang_path(launches, backend_modules=("ops", "api")):
-    """Kernels recorded by `launches` (an H200's SM count), and the TileLang backend chosen where
-    the named modules of the package choose one (it needs a GPU, which is not here)."""
+def tilelang_chosen(*modules):
+    """The TileLang backend chosen where the named modules of the package choose one (it needs a
+    GPU, which is not here)."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(runtime, "compile_kernel", launches.compile_kernel))
-        stack.enter_context(mock.patch.object(runtime, "compile_plan", launches.compile_plan))
-        stack.enter_context(mock.patch.object(runtime, "sm_count", lambda device: SMS))
-        for module in backend_modules:
+        for module in modules:
             stack.enter_context(mock.patch(f"flash_qla_cp.{module}.choose_backend", lambda *a: "tilelang"))
+        yield
+
+
+@contextlib.contextmanager
+def tilelang_path(launches, backend_modules=("ops", "api")):
+    """Kernels recorded by `launches` (an H200's SM count), and the TileLang backend chosen in
+    `backend_modules`."""
+    with mock.patch.object(runtime, "compile_kernel", launches.compile_kernel), \
+            mock.patch.object(runtime, "compile_plan", launches.compile_plan), \
+            mock.patch.object(runtime, "sm_count", lambda device: SMS), tilelang_chosen(*backend_modules):
         yield launches
 
 
@@ -360,11 +367,7 @@ def test_layer_reads_cu_seqlens_back_once_per_forward(fused):
         m._fused_backend = lambda *args: None
     x = torch.zeros(1, 300, 256, dtype=torch.bfloat16, requires_grad=True)
     cu = torch.tensor([0, 1, 120, 300], dtype=torch.int32).as_subclass(HostReads)
-    tilelang = lambda *a: "tilelang"  # noqa: E731
-    with mock.patch("flash_qla_cp.ops.choose_backend", tilelang), \
-            mock.patch("flash_qla_cp.api.choose_backend", tilelang), \
-            mock.patch("flash_qla_cp.modules.fused_mixer.choose_backend", tilelang), \
-            mock.patch("flash_qla_cp.modules.gated_deltanet.choose_backend", tilelang):
+    with tilelang_chosen("ops", "api", "modules.fused_mixer", "modules.gated_deltanet"):
         def call():
             HostReads.reads = 0
             m(x, cu_seqlens=cu).float().sum().backward()
@@ -464,10 +467,7 @@ def test_fused_layer_compiles_only_kernels_it_launches(lengths):
     m = GatedDeltaNet(256, 2, 4, 128, 128, intra_cp="auto").to(torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     x = torch.zeros(1, sum(lengths), 256, dtype=torch.bfloat16, requires_grad=True)
-    tilelang = lambda *a: "tilelang"  # noqa: E731
-    with mock.patch("flash_qla_cp.ops.choose_backend", tilelang), \
-            mock.patch("flash_qla_cp.modules.fused_mixer.choose_backend", tilelang), \
-            mock.patch("flash_qla_cp.modules.gated_deltanet.choose_backend", tilelang):
+    with tilelang_chosen("ops", "modules.fused_mixer", "modules.gated_deltanet"):
         _, launches, _ = run_recorded(lambda: m(x, cu_seqlens=cu).float().sum().backward())
     launched = {spec for spec, _ in launches.calls}
     compiled = {spec for plans in launches.plans for plan in plans for spec in plan.specs()}
@@ -482,12 +482,7 @@ def test_fused_layer_under_a_cp_context_launches_match_their_kernels():
     m = GatedDeltaNet(256, 2, 4, 128, 128).to(torch.bfloat16)
     cu = torch.tensor([0, 40000, 65536], dtype=torch.int32)
     x = torch.zeros(1, 65536, 256, dtype=torch.bfloat16, requires_grad=True)
-    tilelang = lambda *a: "tilelang"  # noqa: E731
-    with mock.patch("flash_qla_cp.ops.choose_backend", tilelang), \
-            mock.patch("flash_qla_cp.api.choose_backend", tilelang), \
-            mock.patch("flash_qla_cp.parallel.dual.choose_backend", tilelang), \
-            mock.patch("flash_qla_cp.modules.fused_mixer.choose_backend", tilelang), \
-            mock.patch("flash_qla_cp.modules.gated_deltanet.choose_backend", tilelang):
+    with tilelang_chosen("ops", "api", "parallel.dual", "modules.fused_mixer", "modules.gated_deltanet"):
         cp = CPContext.single(cu, intra_cp="auto")
         _, launches, _ = run_recorded(lambda: m(x, cu_seqlens=cu, cp_context=cp).float().sum().backward())
     names = launches.names()
