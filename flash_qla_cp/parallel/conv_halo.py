@@ -31,12 +31,12 @@ def _shift(x: torch.Tensor, cp: CPContext, forward: bool) -> torch.Tensor:
     """Send x to the next rank and return what the previous one sent (reversed if not forward)."""
     dst, src = (cp.rank + 1, cp.rank - 1) if forward else (cp.rank - 1, cp.rank + 1)
     out_device = x.device
-    x = x.to(comm_device(cp.group))  # gloo: through the CPU
+    x = x.to(comm_device(cp.group)).contiguous()  # gloo: through the CPU; p2p buffers must be dense
     recv = torch.zeros_like(x)
     ops = []
     to_global = (lambda r: dist.get_global_rank(cp.group, r)) if cp.group is not dist.group.WORLD else (lambda r: r)
     if 0 <= dst < cp.world:
-        ops.append(dist.P2POp(dist.isend, x.contiguous(), to_global(dst), cp.group))
+        ops.append(dist.P2POp(dist.isend, x, to_global(dst), cp.group))
     if 0 <= src < cp.world:
         ops.append(dist.P2POp(dist.irecv, recv, to_global(src), cp.group))
     if ops:
