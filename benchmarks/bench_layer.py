@@ -194,21 +194,26 @@ def main():
         if args.check_tokens:
             meta["accuracy"][name] = accuracy(SHAPES[name], device, dtype, min(args.check_tokens, SHAPES[name][5]))
             print(json.dumps({"shape": name, "accuracy": meta["accuracy"][name]}), flush=True)
-    if args.merge:  # e.g. the compile rows of a run on fewer shapes
-        with open(args.merge) as f:
+        write_results(args.out, meta, rows, args.merge)  # after every shape: a run cut short keeps its rows
+
+
+def write_results(out_dir, meta, rows, merge=None):
+    """bench_layer.json / .md in out_dir; merge: an earlier bench_layer.json whose rows for other
+    (shape, lib, mode) the files keep (e.g. the compile rows of a run on fewer shapes)."""
+    if merge:
+        with open(merge) as f:
             earlier = json.load(f)
         done = {(r["shape"], r["lib"], r["mode"]) for r in rows}
-        rows += [r for r in earlier["rows"] if (r["shape"], r["lib"], r["mode"]) not in done]
+        rows = rows + [r for r in earlier["rows"] if (r["shape"], r["lib"], r["mode"]) not in done]
         order = list(SHAPES)
         rows.sort(key=lambda r: (order.index(r["shape"]), r["lib"], r["mode"]))
-        meta["accuracy"] = {**earlier["meta"].get("accuracy", {}), **meta["accuracy"]}
-        meta["command"] += f" (plus the rows of: {earlier['meta']['command']})"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
+        meta = {**meta, "accuracy": {**earlier["meta"].get("accuracy", {}), **meta["accuracy"]},
+                "command": meta["command"] + f" (plus the rows of: {earlier['meta']['command']})"}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench_layer.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "bench_layer.md"), "w") as f:
+    with open(os.path.join(out_dir, "bench_layer.md"), "w") as f:
         f.write(to_markdown(meta, rows))
-
 
 if __name__ == "__main__":
     main()
