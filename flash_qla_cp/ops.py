@@ -166,24 +166,27 @@ def take_tensors(obj):
     places. What an autograd node holds as an attribute stays alive from the forward to the
     backward, through activation checkpointing too; saved through save_for_backward, the kept
     chunk states are what checkpointing drops after the forward and recomputes for the backward."""
-    tensors = []
-
-    def strip(node):
-        if node is None:
-            return None
-        changes = {}
-        for f in fields(node):
-            value = getattr(node, f.name)
-            if isinstance(value, torch.Tensor):
-                changes[f.name] = _TakenTensor(len(tensors))
-                tensors.append(value)
-            elif is_dataclass(value):
-                changes[f.name] = strip(value)
-        return replace(node, **changes)
-
     if not is_dataclass(obj):  # (another engine's context, e.g. the torch split's: held as it is)
-        return obj, tensors
-    return strip(obj), tensors
+        return obj, []
+    tensors = []
+    return _strip(obj, tensors), tensors
+
+
+def _strip(node, tensors):
+    """node with each tensor replaced by its index in `tensors` (appended to). A module function,
+    not a closure: a nested function that calls itself is a reference cycle, and a cycle holding
+    `tensors` would keep every kept chunk state alive until Python's cyclic GC happened to run."""
+    if node is None:
+        return None
+    changes = {}
+    for f in fields(node):
+        value = getattr(node, f.name)
+        if isinstance(value, torch.Tensor):
+            changes[f.name] = _TakenTensor(len(tensors))
+            tensors.append(value)
+        elif is_dataclass(value):
+            changes[f.name] = _strip(value, tensors)
+    return replace(node, **changes)
 
 
 def put_tensors(skeleton, tensors):
