@@ -10,6 +10,7 @@ per kernel there).
 --bench-shapes: the kernels our op launches for those shapes of benchmarks/bench_kernels.py
 (forward with final states, and fwd+bwd with and without kept states), found by running the host
 code on CPU tensors with every launch recorded instead of run (the plans decide, as on the GPU).
+--layer-shapes: the same for our GatedDeltaNet on those shapes of benchmarks/bench_layer.py.
 --gpu-tests: the same for every case and option of tests/gpu/test_op.py.
 --train-recipe: the same for the long-sequence training recipe (8 / 16 heads of 128, the
 fused layer's kernels and the op's fwd+bwd on the packed rows of examples/hybrid_lm's corpus)
@@ -111,6 +112,28 @@ def gpu_test_specs(sms=132):
     return list(found)
 
 
+def layer_shape_specs(names, sms=132):
+    """[KernelSpec] our GatedDeltaNet launches in one fwd+bwd of each named shape of
+    benchmarks/bench_layer.py (the fused layer's kernels and the op's, as the benchmark runs them)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_layer import SHAPES, call, make_layer
+
+    from flash_qla_cp.testing import random_cu_seqlens
+
+    with recording(sms) as found, contextlib.ExitStack() as stack:
+        for module in ("flash_qla_cp.modules.fused_mixer", "flash_qla_cp.modules.gated_deltanet"):
+            stack.enter_context(mock.patch(f"{module}.choose_backend", lambda *a: "tilelang"))
+        for name in names:
+            hidden, H, HV, D, B, T, lengths = SHAPES[name]
+            for lib in ("ours", "ours_recompute"):
+                layer = make_layer(lib, hidden, H, HV, D, torch.device("cpu"), torch.bfloat16)
+                cu = random_cu_seqlens(lengths) if lengths else None
+                x = torch.zeros(1 if cu is not None else B, sum(lengths) if cu is not None else T, hidden,
+                                dtype=torch.bfloat16, requires_grad=True)
+                call(layer, lib, x, cu).float().sum().backward()
+    return list(found)
+
+
 def train_recipe_specs(seq_lens, sms=132, steps=6):
     """[KernelSpec] of the training recipe's GDN layers (H 8, HV 16, K = V = 128, bf16): the fused
     layer's kernels and the op's training fwd+bwd on the first `steps` packed rows per length."""
@@ -140,6 +163,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--log", help="a kernel log (JSON lines) a GPU run wrote")
     ap.add_argument("--bench-shapes", help="comma-separated shape names of benchmarks/bench_kernels.py")
+    ap.add_argument("--layer-shapes", help="comma-separated shape names of benchmarks/bench_layer.py")
     ap.add_argument("--gpu-tests", action="store_true", help="the kernels of tests/gpu/test_op.py")
     ap.add_argument("--train-recipe", help="comma-separated tokens per step of the training recipe")
     ap.add_argument("--arch", default="sm_90a", help="the device's arch (H200: sm_90a)")
@@ -147,8 +171,8 @@ def main():
     ap.add_argument("--tar", default=".device/tlcache.tar.xz", help="cache archive to extend (created if absent)")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
-    if not (args.log or args.bench_shapes or args.gpu_tests or args.train_recipe):
-        ap.error("give --log, --bench-shapes, --gpu-tests and / or --train-recipe")
+    if not (args.log or args.bench_shapes or args.layer_shapes or args.gpu_tests or args.train_recipe):
+        ap.error("give --log, --bench-shapes, --layer-shapes, --gpu-tests and / or --train-recipe")
 
     work = tempfile.mkdtemp(prefix="tlcache_")
     if os.path.exists(args.tar):
@@ -163,6 +187,8 @@ def main():
     todo = load_log(args.log) if args.log else []
     if args.bench_shapes:
         todo += bench_shape_specs(args.bench_shapes.split(","), args.sms)
+    if args.layer_shapes:
+        todo += layer_shape_specs(args.layer_shapes.split(","), args.sms)
     if args.gpu_tests:
         todo += gpu_test_specs(args.sms)
     if args.train_recipe:
