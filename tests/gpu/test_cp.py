@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 from flash_qla_cp import CPContext
 from gdn_checks import NAMES, Case, check_case, make_inputs, over_limits, rel_err, run_op
 
-CASE = Case((5000, 3000, 100, 8284), seed=3)  # 16384 tokens: two ranks cut inside the first long sequence
+CASE = Case((5000, 3000, 100, 8284), resets=True, seed=3)  # 16384 tokens: two ranks cut inside the first long
+# sequence; g = -inf and gates to -1e30 scattered over two heads (resets on both sides of the cut)
 
 
 @pytest.mark.parametrize("intra_cp,exact", [(8, True), ("auto", False)])
