@@ -25,11 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "examples")]
 
-from precompile_cache import recording  # noqa: E402
-
-MATMULS = {torch.ops.aten.mm.default: lambda a, b: (a.shape[0], b.shape[1]),
-           torch.ops.aten.addmm.default: lambda c, a, b: (a.shape[0], b.shape[1]),
-           torch.ops.aten.bmm.default: lambda a, b: (a.shape[0], a.shape[1], b.shape[2])}
+from precompile_cache import MATMULS, recording  # noqa: E402
 
 
 class LiveStorages(TorchDispatchMode):
