@@ -11,7 +11,8 @@
 # Phases:
 #   tests      pytest -m gpu tests/gpu (TESTS narrows it, e.g. TESTS="tests/gpu/test_op.py -k split")
 #   bench      benchmarks/bench_kernels.py (SHAPES, LIBS narrow it; GRAPHS=1 adds CUDA-graph replays)
-#   bench_layer  benchmarks/bench_layer.py: our GatedDeltaNet against FLA's (LAYER_SHAPES, LIBS, BENCH_ARGS)
+#   bench_layer  benchmarks/bench_layer.py: our GatedDeltaNet against FLA's (LAYER_SHAPES, LIBS, BENCH_ARGS; MERGE=1
+#              keeps the rows of benchmarks/results/bench_layer_<gpu>.json it does not re-measure)
 #   tune_split tools/tune_split.py (SHAPES, PARTS)
 #   profile    tools/profile_kernels.py (SHAPES, INTRA, PROFILE_LIB)
 #   profile_layer  tools/profile_layer.py: per-kernel time of the layer, ours and FLA's (LAYER_SHAPES, LIBS)
@@ -30,15 +31,22 @@ mkdir -p "$OUT"
 # every kernel the run builds (compiled, or loaded from the cache) is listed for precompile_cache.py
 export FLASH_QLA_CP_KERNEL_LOG="$OUT/kernels.jsonl"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# h100 / h200: the suffix of the result files in benchmarks/results (cards differ in speed)
+GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h')
+GPU_TAG=${GPU_TAG:-gpu}
+# MERGE=1: bench_layer keeps the rows of benchmarks/results/bench_layer_$GPU_TAG.json it does not re-measure
+[ "${MERGE:-0}" = 1 ] && [ -f "benchmarks/results/bench_layer_$GPU_TAG.json" ] \
+  && MERGE_ARG="--merge benchmarks/results/bench_layer_$GPU_TAG.json"
 for phase in "$@"; do
   echo "== $phase $(date -u +%T)"
   case $phase in
     tests) timeout "${TEST_TIMEOUT:-540}" python -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/gpu} \
              --junitxml "$OUT/gpu_tests.xml" 2>&1 | grep -v TileLang | tail -40 ;;
-    bench) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_kernels.py --out "$OUT/${BENCH_NAME:-bench}" ${GRAPHS:+--graphs} \
+    bench) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_kernels.py --out "$OUT/${BENCH_NAME:-bench_$GPU_TAG}" ${GRAPHS:+--graphs} \
              ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-300 ;;
-    bench_layer) timeout "${BENCH_TIMEOUT:-540}" python benchmarks/bench_layer.py --out "$OUT/bench_layer" \
-                   ${LAYER_SHAPES:+--shapes "$LAYER_SHAPES"} ${LIBS:+--libs "$LIBS"} ${BENCH_ARGS:-} 2>&1 | grep '^{' | cut -c1-400 ;;
+    bench_layer) timeout "${BENCH_TIMEOUT:-540}" python benchmarks/bench_layer.py --out "$OUT/bench_layer_$GPU_TAG" \
+                   ${LAYER_SHAPES:+--shapes "$LAYER_SHAPES"} ${LIBS:+--libs "$LIBS"} ${MERGE_ARG:-} ${BENCH_ARGS:-} 2>&1 \
+                   | grep '^{' | cut -c1-400 ;;
     tune_split) timeout "${BENCH_TIMEOUT:-420}" python tools/tune_split.py --out "$OUT/tune_split" \
                   ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} 2>&1 | grep '^{' | cut -c1-400 ;;
     profile) timeout 240 python tools/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
