@@ -14,6 +14,7 @@
 #   bench_layer  benchmarks/bench_layer.py: our GatedDeltaNet against FLA's (LAYER_SHAPES, LIBS, BENCH_ARGS; MERGE=1
 #              keeps the rows of benchmarks/results/bench_layer_<gpu>.json it does not re-measure)
 #   tune_split tools/tune_split.py (SHAPES, PARTS)
+#   tune_layer tools/tune_layer.py: block sizes of the layer's kernels around the op (LAYER_SHAPES)
 #   profile    tools/profile_kernels.py (SHAPES, INTRA, PROFILE_LIB)
 #   profile_layer  tools/profile_layer.py: per-kernel time of the layer, ours and FLA's (LAYER_SHAPES, LIBS)
 #   host_timeline  tools/host_timeline.py (SHAPE, PASSES, TIMELINE_ARGS e.g. --profile)
@@ -49,6 +50,8 @@ for phase in "$@"; do
                    | grep '^{' | cut -c1-400 ;;
     tune_split) timeout "${BENCH_TIMEOUT:-420}" python tools/tune_split.py --out "$OUT/tune_split" \
                   ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} 2>&1 | grep '^{' | cut -c1-400 ;;
+    tune_layer) timeout "${BENCH_TIMEOUT:-300}" python tools/tune_layer.py --out "$OUT/tune_layer" \
+                  ${LAYER_SHAPES:+--shapes "$LAYER_SHAPES"} 2>&1 | grep '^{' | cut -c1-300 ;;
     profile) timeout 240 python tools/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
                ${INTRA:+--intra "$INTRA"} ${PROFILE_LIB:+--lib "$PROFILE_LIB"} 2>&1 | grep '^{' | cut -c1-1500 ;;
     profile_layer) timeout 300 python tools/profile_layer.py --out "$OUT/profile_layer" \

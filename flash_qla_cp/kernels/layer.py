@@ -83,7 +83,13 @@ def _history(P, conv_weight, history):
     return P.new_zeros(conv_weight.shape[-1] - 1, conv_weight.shape[0])
 
 
-def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False, history=None):
+def _sized(spec: KernelSpec, block_tokens: int, default: int) -> KernelSpec:
+    """spec with another block size (`tools/tune_layer.py`); the plan's own spec for the default."""
+    return spec if block_tokens == default else spec.replace(block_tokens=block_tokens)
+
+
+def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False, history=None,
+                      block_tokens=INPUTS_BLOCK_TOKENS):
     """As `reference.layer_steps.op_inputs_forward` (P [NT, width] bf16 / fp16)."""
     plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval)
     NT, H, HV = P.shape[0], layout.num_heads, layout.num_v_heads
@@ -92,7 +98,7 @@ def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_n
     v = P.new_empty(NT, HV, layout.head_v_dim)
     g = P.new_empty(NT, HV, dtype=torch.float32)
     beta = P.new_empty(NT, HV, dtype=torch.float32)
-    runtime.compile_kernel(plan.forward)(
+    runtime.compile_kernel(_sized(plan.forward, block_tokens, INPUTS_BLOCK_TOKENS))(
         kernel_operand(P), _history(P, conv_weight, history), _fp32(conv_weight.reshape(conv_weight.shape[0], -1)),
         kernel_operand(positions),
         _fp32(A_log), _fp32(dt_bias), q, k, v, g, beta)
@@ -100,18 +106,18 @@ def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_n
 
 
 def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval,
-                       dP, history=None):
+                       dP, history=None, block_tokens=INPUTS_BWD_BLOCK_TOKENS):
     """As `reference.layer_steps.op_inputs_backward`."""
     plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval)
     NT, HV = P.shape[0], layout.num_v_heads
     C, K = conv_weight.shape[0], conv_weight.shape[-1]
-    blocks = -(-NT // INPUTS_BWD_BLOCK_TOKENS)
+    blocks = -(-NT // block_tokens)
     dweight_part = P.new_empty(blocks, C, K, dtype=torch.float32)
     da_tokens = P.new_empty(NT, HV, dtype=torch.float32)
     dA_log_tokens = P.new_empty(NT, HV, dtype=torch.float32)
     dy_head = P.new_empty(K - 1, C, dtype=torch.float32)
     weight = _fp32(conv_weight.reshape(C, K))
-    runtime.compile_kernel(plan.backward)(
+    runtime.compile_kernel(_sized(plan.backward, block_tokens, INPUTS_BWD_BLOCK_TOKENS))(
         kernel_operand(P), _history(P, conv_weight, history), weight, kernel_operand(positions), _fp32(A_log),
         _fp32(dt_bias), kernel_operand(dq.to(P.dtype)), kernel_operand(dk.to(P.dtype)), kernel_operand(dv.to(P.dtype)),
         _fp32(dg), _fp32(dbeta), dP, dweight_part, da_tokens, dA_log_tokens, dy_head)
@@ -134,22 +140,23 @@ def _history_grad(dy_head, weight, positions):
     return torch.einsum("hjc,cj->hc", dy[rows], weight)
 
 
-def gated_norm_forward(o, P, layout, weight, eps):
+def gated_norm_forward(o, P, layout, weight, eps, block_tokens=NORM_BLOCK_TOKENS):
     """As `reference.layer_steps.gated_norm_forward`."""
     plan = _ready(plan_gated_norm(layout, tl_dtype(P.dtype), eps))
     y = torch.empty_like(o)
-    runtime.compile_kernel(plan.forward)(kernel_operand(o.to(P.dtype)), kernel_operand(P), _fp32(weight), y)
+    runtime.compile_kernel(_sized(plan.forward, block_tokens, NORM_BLOCK_TOKENS))(
+        kernel_operand(o.to(P.dtype)), kernel_operand(P), _fp32(weight), y)
     return y.view(o.shape[0], -1)
 
 
-def gated_norm_backward(dy, o, P, layout, weight, eps):
+def gated_norm_backward(dy, o, P, layout, weight, eps, block_tokens=NORM_BLOCK_TOKENS):
     """As `reference.layer_steps.gated_norm_backward`."""
     plan = _ready(plan_gated_norm(layout, tl_dtype(P.dtype), eps))
     NT = o.shape[0]
     do = torch.empty_like(o)
     dz = torch.empty(o.shape, dtype=P.dtype, device=P.device)
-    dweight_part = P.new_empty(-(-NT // NORM_BLOCK_TOKENS), layout.num_v_heads, layout.head_v_dim,
-                               dtype=torch.float32)
-    runtime.compile_kernel(plan.backward)(kernel_operand(dy.reshape(o.shape).to(P.dtype)), kernel_operand(o),
-                                          kernel_operand(P), _fp32(weight), do, dz, dweight_part)
+    dweight_part = P.new_empty(-(-NT // block_tokens), layout.num_v_heads, layout.head_v_dim, dtype=torch.float32)
+    runtime.compile_kernel(_sized(plan.backward, block_tokens, NORM_BLOCK_TOKENS))(
+        kernel_operand(dy.reshape(o.shape).to(P.dtype)), kernel_operand(o), kernel_operand(P), _fp32(weight), do, dz,
+        dweight_part)
     return do, dz, dweight_part.sum((0, 1)).to(weight.dtype)

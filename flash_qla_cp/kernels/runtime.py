@@ -77,12 +77,17 @@ def grid_fills_gpu(blocks: int, sms: int) -> bool:
 KERNEL_LOG_ENV = "FLASH_QLA_CP_KERNEL_LOG"
 
 
+def kernel_log_line(spec: KernelSpec) -> str:
+    """spec as a line of a kernel log (what tools/precompile_cache.py --log reads back)."""
+    return json.dumps({"module": spec.factory.__module__, "factory": spec.factory.__qualname__,
+                       "params": spec.kwargs}) + "\n"
+
+
 def _log_kernel(spec: KernelSpec):
     path = os.environ.get(KERNEL_LOG_ENV)
     if path:
         with open(path, "a") as f:
-            f.write(json.dumps({"module": spec.factory.__module__, "factory": spec.factory.__qualname__,
-                                "params": spec.kwargs}) + "\n")
+            f.write(kernel_log_line(spec))
 
 
 class DirectLaunch:

@@ -378,6 +378,31 @@ def test_training_step_leaves_no_tensor_in_a_reference_cycle(checkpointed):
         gc.enable()
 
 
+@pytest.mark.parametrize("block_tokens", [16, 32, 64])
+def test_layer_steps_launch_the_block_size_asked_for(block_tokens):
+    """The layer's step kernels take a block size (tools/tune_layer.py sweeps it): the backward
+    steps launch that variant with their per-block gradient parts sized for it."""
+    from flash_qla_cp import GatedDeltaNet
+    from flash_qla_cp.kernels import layer as steps
+    from flash_qla_cp.reference.layer_steps import token_positions
+
+    m = GatedDeltaNet(256, 2, 4, 128, 128).to(torch.bfloat16)
+    lay, NT = m.projection_layout, 300
+    P = torch.zeros(NT, lay.width, dtype=torch.bfloat16)
+    o = torch.zeros(NT, 4, 128, dtype=torch.bfloat16)
+    grads = (o[:, :2], o[:, :2], o, torch.zeros(NT, 4), torch.zeros(NT, 4))
+    positions = token_positions(1, NT, None, "cpu")
+    with tilelang_path(Launches()) as launches:
+        steps.op_inputs_backward(*grads, P, lay, m.conv1d.weight, m.A_log, m.dt_bias, positions, False,
+                                 torch.empty_like(P), block_tokens=block_tokens)
+        steps.gated_norm_backward(o.view(NT, -1), o, P, lay, m.norm.weight, 1e-6, block_tokens=block_tokens)
+    parts = {"build_layer_inputs_bwd_kernel": 12, "build_gated_norm_bwd_kernel": 6}  # dweight_part's argument
+    for spec, args in launches.calls:
+        assert spec.kwargs["block_tokens"] == block_tokens
+        assert args[parts[spec.name]].shape[0] == -(-NT // block_tokens), spec.name
+    assert_launches_match_signatures(launches)
+
+
 class HostReads(torch.Tensor):
     """cu_seqlens that counts its reads to the host (.cpu(), .tolist(), .item(), of it or of a
     tensor computed from it): on a GPU each one waits for the work queued before it."""
