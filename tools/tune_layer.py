@@ -73,7 +73,7 @@ def step_calls(shape, device):
     dP = torch.zeros_like(P)  # the z columns stay as they are: compared too
 
     def inputs_bwd(bt):
-        rest = steps.op_inputs_backward(*grads, P, lay, weights[0], *weights[1:], positions, False, dP, block_tokens=bt)
+        rest = steps.op_inputs_backward(*grads, P, lay, *weights, positions, False, dP, block_tokens=bt)
         return (dP.clone(), *rest[:3])
 
     return {
