@@ -65,8 +65,9 @@ def _steps(config: MixerConfig, conv_size: int = 0):
 
 
 def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig,
-             cu_seqlens_cpu=None):
-    """(y [B, T, HV * dv], o [B, T, HV, dv], the op's context without its inputs, token positions)."""
+             cu_seqlens_cpu=None, output_final_state=False):
+    """(y [B, T, HV * dv], o [B, T, HV, dv], the op's context without its inputs, token positions,
+    the op's final states [N, HV, dk, dv] or None)."""
     B, T, width = P.shape
     lay = config.layout
     steps = _steps(config, conv_weight.shape[-1])
@@ -76,15 +77,15 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     positions = token_positions(B, T, cu_seqlens, P.device)
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
                                                config.allow_neg_eigval)
-    o, _, gdn = chunk_gated_delta_rule_fwd(
+    o, final, gdn = chunk_gated_delta_rule_fwd(
         q.view(B, T, lay.num_heads, -1), k.view(B, T, lay.num_heads, -1), v.view(B, T, lay.num_v_heads, -1),
         g.view(B, T, -1), beta.view(B, T, -1), scale=config.scale, initial_state=initial_state,
-        cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp, save_states=config.save_states,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp, save_states=config.save_states,
         kernel_options=config.kernel_options, cu_seqlens_cpu=cu_seqlens_cpu)
     y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
     # the op's inputs are recomputed from P in the backward (identical values), not kept
     gdn = replace(gdn, q=None, k=None, v=None, g=None, beta=None, initial_state=None)
-    return y.view(B, T, -1), o, gdn, positions
+    return y.view(B, T, -1), o, gdn, positions, final
 
 
 def _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions, gdn: GDNContext,
@@ -120,8 +121,8 @@ class FusedMixer(torch.autograd.Function):
     def forward(ctx, P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig,
                 cu_seqlens_cpu):
         config = _resolved(config, P)
-        y, o, gdn, positions = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
-                                        config, cu_seqlens_cpu)
+        y, o, gdn, positions, _ = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
+                                           config, cu_seqlens_cpu)
         ctx.config = config
         # the op's kept chunk states saved the autograd way too (activation checkpointing drops them)
         skeleton, kept = take_tensors(gdn.kernel_saved)
@@ -153,7 +154,7 @@ def mixer_fwd(P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, d
               layout: list[int], allow_neg_eigval: bool, norm_eps: float, scale: float, backend: str, intra_cp: str
               ) -> tuple[torch.Tensor, torch.Tensor]:
     config = _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, P)
-    y, o, _, _ = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config)
+    y, o, _, _, _ = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config)
     return y, o
 
 
@@ -221,3 +222,16 @@ def fused_mixer(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig
                         cu_seqlens_cpu)[0]
     return FusedMixer.apply(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
                             cu_seqlens_cpu)
+
+
+def fused_mixer_with_states(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig, initial_state=None,
+                            cu_seqlens=None, cu_seqlens_cpu=None):
+    """Inference (no backward) that also returns what a cache carries on, e.g. a prompt's prefill:
+    (y [B, T, HV * dv], the op's final states [N, HV, dk, dv], the conv inputs [B, T, C] (P's conv
+    columns, in the conv's channel order))."""
+    config = _resolved(replace(config, save_states=False), P)
+    y, _, _, _, final = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
+                                 cu_seqlens_cpu, output_final_state=True)
+    B, T, width = P.shape
+    conv_inputs = P.reshape(B * T, width)[:, config.layout.conv_columns().to(P.device)]
+    return y, final, conv_inputs.view(B, T, -1)

@@ -16,9 +16,10 @@ proj_layout='qwen3_5' (Qwen3.5): in_proj_qkv [2*H*dk + HV*dv, D] (all q, all k, 
 
 A "group" is the r = HV / H value heads that read key head h (v head index h*r + j).
 
-Two paths. Training-style calls (dense or packed, no mask, no cache; eager or compiled) run
-fused: the projections as one matmul, then `fused_mixer` (conv, l2 norm and gates in one step,
-the op, the gated norm in another) and out_proj; under context parallelism the two steps are
+Two paths. Training-style calls (dense or packed, no mask, no cache; eager or compiled) and a
+prompt's prefill (a cache out, none in, no backward: `fused_mixer_with_states`) run fused: the
+projections as one matmul, then `fused_mixer` (conv, l2 norm and gates in one step, the op, the
+gated norm in another) and out_proj; under context parallelism the two steps are
 autograd nodes around the CP op (`fused_cp_steps.py`, the conv halo exchanged inside). Every other
 call takes the step path: the projections split, `short_conv`, `_gates`, `_core`, the norm, each
 a torch op (under CP: `short_conv` exchanges the halo, `_core` takes `cp_context`).
@@ -35,16 +36,17 @@ import torch.nn.functional as F
 
 from ..api import chunk_gated_delta_rule
 from ..backends import choose_backend
+from ..ops import backward_will_run
 from ..parallel.conv_halo import exchange_conv_halo
 from ..reference.chunked import compute_dtype
 from ..reference.layer_steps import ProjectionLayout, continued_positions, token_positions
 from ..reference.shapes import expand_qk_heads, l2norm
 from ..validation import is_intra_option
 from .fused_cp_steps import GatedNorm, LayerInputs
-from .fused_mixer import MixerConfig, fused_mixer
+from .fused_mixer import MixerConfig, fused_mixer, fused_mixer_with_states
 from .hf_params import gdn_from_qwen3_next
 from .norm import GatedRMSNorm
-from .short_conv import ShortConvolution, last_kept_inputs
+from .short_conv import ShortConvolution, last_inputs, last_kept_inputs
 
 
 def _fail(message: str):
@@ -304,10 +306,14 @@ class GatedDeltaNet(nn.Module):
 
     def _fused_backend(self, x, attention_mask, conv_state, output_final_state, cp_context):
         """The op backend for the fused layer, or None where this call takes the step path: padding
-        masks, caches or final states, single tokens (decoding), the torch backend's own intra-card
-        split (partitions asked for), or CP under torch.compile. Under torch.compile the backend is
-        chosen inside the fused layer's custom op."""
-        if attention_mask is not None or conv_state is not None or output_final_state or x.shape[1] <= 1:
+        masks, an incoming conv state (a cache), single tokens (decoding), states out (use_cache)
+        unless it is inference without CP or compilation (a prompt's prefill runs fused), the torch
+        backend's own intra-card split (partitions asked for), or CP under torch.compile. Under
+        torch.compile the backend is chosen inside the fused layer's custom op."""
+        if attention_mask is not None or conv_state is not None or x.shape[1] <= 1:
+            return None
+        if output_final_state and (cp_context is not None or torch.compiler.is_compiling()
+                                   or backward_will_run(x, *self.parameters())):
             return None
         split_asked = cp_context is None and self.intra_cp not in ("auto", "off")
         if torch.compiler.is_compiling():
@@ -339,14 +345,18 @@ class GatedDeltaNet(nn.Module):
                                       cp_context=cp_context)
         return self.out_proj(GatedNorm.apply(o, z, self.norm.weight, config))
 
-    def _fused_mix(self, x, cu_seqlens, cu_host, recurrent_state, backend):
+    def _fused_mix(self, x, cu_seqlens, cu_host, recurrent_state, backend, output_final_state=False):
+        """_mix's results on the fused layer; the states and conv inputs only with output_final_state."""
         P = F.linear(x, self._projection_weight())
         config = self._mixer_config(backend)
         if recurrent_state is not None:
             recurrent_state = recurrent_state.to(compute_dtype(x))
-        y = fused_mixer(P, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, config, recurrent_state,
-                        cu_seqlens, cu_host)
-        return self.out_proj(y)
+        args = (P, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, config, recurrent_state,
+                cu_seqlens, cu_host)
+        if not output_final_state:
+            return self.out_proj(fused_mixer(*args)), None, None, None
+        y, final, conv_inputs = fused_mixer_with_states(*args)
+        return self.out_proj(y), last_inputs(conv_inputs, cu_seqlens, self.conv_size - 1), final, conv_inputs
 
     def _output(self, o, z):
         B, T = o.shape[:2]
@@ -429,7 +439,7 @@ class GatedDeltaNet(nn.Module):
         if fused is not None and cp_context is not None:
             return self._fused_cp_mix(hidden_states, cu_seqlens, recurrent_state, cp_context, fused), None, None, None
         if fused is not None:
-            return self._fused_mix(hidden_states, cu_seqlens, cu_host, recurrent_state, fused), None, None, None
+            return self._fused_mix(hidden_states, cu_seqlens, cu_host, recurrent_state, fused, output_final_state)
         keep = None
         if attention_mask is not None:
             # padded tokens: zero input (nothing leaks through the conv), g = beta = 0 (the state passes

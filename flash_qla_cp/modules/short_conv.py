@@ -117,6 +117,16 @@ class ShortConvolution(nn.Conv1d):
                                     self.activation)
 
 
+def last_inputs(x: torch.Tensor, cu_seqlens: torch.Tensor | None, width: int) -> torch.Tensor:
+    """Conv state after a call that began with none: the last `width` inputs of each sequence, 0
+    before its start. x [B, T, C] (B == 1 with cu_seqlens) -> [N, C, width]."""
+    B, T, C = x.shape
+    _, _, lengths, ends = _sequence_layout(B, T, cu_seqlens, x.device)
+    rows = ends[:, None] - width + torch.arange(width, device=x.device)[None, :]  # [N, width]
+    taken = x.reshape(B * T, C)[rows.clamp(min=0)]
+    return torch.where((rows >= (ends - lengths)[:, None])[..., None], taken, 0).transpose(1, 2).contiguous()
+
+
 def last_kept_inputs(x: torch.Tensor, keep: torch.Tensor, width: int, conv_state: torch.Tensor | None = None):
     """Conv state after a padded batch: the last `width` inputs of each row whose keep is True
     (older ones from conv_state, else 0). x [B, T, C], keep [B, T] bool -> [B, C, width]."""

@@ -127,3 +127,37 @@ def test_training_shaped_layer_split_inside_packed_sequences_within_limits():
     want = _layer_outputs(reference, x.double(), cu)
     errs = {k: rel_err(fused[0][k], want[k]) for k in want}
     assert all(e <= 2e-2 for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("proj_layout", ["qwen3_next", "qwen3_5"])
+def test_prefill_with_use_cache_runs_fused_within_limits(proj_layout, monkeypatch):
+    """A prompt's prefill (use_cache=True, no cache in, no_grad) on the fused kernels: output and
+    recurrent state against the float64 layer no worse (within 10%) than the step path's; the conv
+    state (the last K - 1 conv inputs per sequence) equal to the step path's within bf16 rounding;
+    one decoding step on from it matches one from the step path's cache."""
+    import flash_qla_cp.modules.gated_deltanet as gdn_mod
+
+    fused_calls = []
+    real = gdn_mod.fused_mixer_with_states
+    monkeypatch.setattr(gdn_mod, "fused_mixer_with_states", lambda *a, **kw: fused_calls.append(1) or real(*a, **kw))
+    m = _model(proj_layout, torch.bfloat16)
+    cu = random_cu_seqlens(LENGTHS, device="cuda")
+    x = torch.randn(1, sum(LENGTHS), 512, device="cuda").bfloat16()
+    step = torch.randn(len(LENGTHS), 1, 512, device="cuda").bfloat16()
+    reference = _model(proj_layout, torch.float64)
+    reference.load_state_dict(m.state_dict())
+    reference.backend = "torch"
+    with torch.no_grad():
+        out, cache = m(x, cu_seqlens=cu, use_cache=True)
+        assert fused_calls == [1]
+        after, _ = m(step, cache=cache, use_cache=True)
+        want, want_cache = reference(x.double(), cu_seqlens=cu, use_cache=True)
+        with monkeypatch.context() as patch:
+            patch.setattr(GatedDeltaNet, "_fused_backend", lambda self, *args: None)
+            steps, steps_cache = m(x, cu_seqlens=cu, use_cache=True)
+            steps_after, _ = m(step, cache=steps_cache, use_cache=True)
+    for got, alt, ref in ((out, steps, want), (cache.recurrent_state, steps_cache.recurrent_state,
+                                                 want_cache.recurrent_state)):
+        assert rel_err(got, ref) <= 1.1 * rel_err(alt, ref) + 1e-4, (rel_err(got, ref), rel_err(alt, ref))
+    assert rel_err(cache.conv_state, steps_cache.conv_state) < 1e-2
+    assert rel_err(after, steps_after) < 2e-2

@@ -217,12 +217,15 @@ def test_bfloat16_close_to_float32():
 
 def test_training_calls_take_the_fused_layer_and_the_others_the_steps(monkeypatch):
     """Plain, packed and initial-state calls run the fused layer (`modules/fused_mixer.py`), and so
-    does a mask without padding; padding masks, caches and single tokens the step-by-step path."""
+    do a mask without padding and an inference prefill with use_cache; padding masks, caches in,
+    states out with a backward to come and single tokens take the step-by-step path."""
     import flash_qla_cp.modules.gated_deltanet as gdn_mod
 
     fused, steps = [], []
     real_fused, real_op = gdn_mod.fused_mixer, gdn_mod.chunk_gated_delta_rule
+    real_with_states = gdn_mod.fused_mixer_with_states
     monkeypatch.setattr(gdn_mod, "fused_mixer", lambda *a, **kw: fused.append(1) or real_fused(*a, **kw))
+    monkeypatch.setattr(gdn_mod, "fused_mixer_with_states", lambda *a, **kw: fused.append(1) or real_with_states(*a, **kw))
     monkeypatch.setattr(gdn_mod, "chunk_gated_delta_rule", lambda *a, **kw: steps.append(kw) or real_op(*a, **kw))
     m = _layer()
     m(_x(2, 9))
@@ -232,8 +235,51 @@ def test_training_calls_take_the_fused_layer_and_the_others_the_steps(monkeypatc
     m(_x(2, 9), attention_mask=torch.ones(2, 9))  # no padding: nothing to mask
     assert len(fused) == 4 and steps == []
     m(_x(2, 9), attention_mask=torch.tensor([[0, 0] + [1] * 7, [1] * 9]))
-    m(_x(2, 9), use_cache=True)
+    _, cache = m(_x(2, 9), use_cache=True)  # states out and a backward to come
     assert len(fused) == 4 and len(steps) == 2 and not any("cp_context" in kw for kw in steps)
+    with torch.no_grad():
+        m(_x(2, 9), use_cache=True)  # a prompt's prefill: states out, no backward
+        assert len(fused) == 5 and len(steps) == 2
+        m(_x(2, 9), cache=cache, use_cache=True)  # a cache in (its conv history)
+        assert len(fused) == 5 and len(steps) == 3
+        m(_x(2, 1), use_cache=True)  # a single token
+    assert len(fused) == 5
+
+
+@pytest.mark.parametrize("kind", ["dense", "packed", "initial_state"])
+def test_prefill_with_use_cache_runs_fused_and_matches_the_step_path(kind, monkeypatch):
+    """use_cache=True without a cache under no_grad (a prompt's prefill) takes the fused layer; its
+    output, conv state (last K - 1 conv inputs per sequence, zeros before short sequences' starts)
+    and recurrent state equal the step path's, and decoding on from that cache matches decoding
+    on from the step path's."""
+    import flash_qla_cp.modules.gated_deltanet as gdn_mod
+
+    fused = []
+    real = gdn_mod.fused_mixer_with_states
+    monkeypatch.setattr(gdn_mod, "fused_mixer_with_states", lambda *a, **kw: fused.append(1) or real(*a, **kw))
+    m = _layer()
+    kw = {}
+    if kind == "packed":
+        kw["cu_seqlens"] = random_cu_seqlens([4, 1, 0, 2, 30])
+        x = _x(1, 37)
+    else:
+        x = _x(2, 9)
+    if kind == "initial_state":
+        kw["initial_state"] = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        out, cache = m(x, use_cache=True, **kw)
+        assert fused == [1]
+        m._fused_backend = lambda *args: None  # the step path
+        want, want_cache = m(x, use_cache=True, **kw)
+        N = cache.conv_state.shape[0]
+        step = _x(N, 1)
+        after, _ = m(step, cache=cache, use_cache=True)
+        want_after, _ = m(step, cache=want_cache, use_cache=True)
+    assert rel_err(out, want) < 1e-12
+    assert torch.equal(cache.conv_state, want_cache.conv_state)
+    assert rel_err(cache.recurrent_state, want_cache.recurrent_state) < 1e-12
+    assert cache.recurrent_state.dtype == want_cache.recurrent_state.dtype and cache.seen_tokens == want_cache.seen_tokens
+    assert rel_err(after, want_after) < 1e-12
 
 
 def test_save_states_option_reaches_the_op(monkeypatch):
