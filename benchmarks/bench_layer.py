@@ -169,7 +169,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-compile", action="store_true", help="eager only")
     ap.add_argument("--merge", default=None,
-                    help="a bench_layer.json of an earlier run whose rows (other shapes, libs or modes) the output keeps")
+                    help="a bench_layer.json of an earlier run whose rows (other shapes, libs or modes) "
+                         "the output keeps")
     ap.add_argument("--check-tokens", type=int, default=4096, help="tokens of the accuracy check (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -218,6 +219,7 @@ def write_results(out_dir, meta, rows, merge=None):
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     with open(os.path.join(out_dir, "bench_layer.md"), "w") as f:
         f.write(to_markdown(meta, rows))
+
 
 if __name__ == "__main__":
     main()

@@ -54,7 +54,7 @@ def load_log(path):
 @contextlib.contextmanager
 def recording(sms):
     """Every kernel launch recorded instead of run (a launch that does nothing: outputs stay as
-    allocated), the TileLang backend chosen by the op; yields the specs in first-use order."""
+    allocated), the TileLang backend chosen by the op and the layer; yields the specs in first-use order."""
     from flash_qla_cp.kernels import runtime
 
     found = {}
@@ -67,8 +67,8 @@ def recording(sms):
         for name, value in (("compile_kernel", record), ("compile_plan", lambda *p: None),
                             ("sm_count", lambda d: sms)):
             stack.enter_context(mock.patch.object(runtime, name, value))
-        for module in ("flash_qla_cp.ops", "flash_qla_cp.api"):
-            stack.enter_context(mock.patch(f"{module}.choose_backend", lambda *a: "tilelang"))
+        for module in ("ops", "api", "modules.fused_mixer", "modules.gated_deltanet"):
+            stack.enter_context(mock.patch(f"flash_qla_cp.{module}.choose_backend", lambda *a: "tilelang"))
         yield found
 
 
@@ -137,9 +137,7 @@ def layer_shape_specs(names, sms=132):
 
     from flash_qla_cp.testing import random_cu_seqlens
 
-    with recording(sms) as found, contextlib.ExitStack() as stack:
-        for module in ("flash_qla_cp.modules.fused_mixer", "flash_qla_cp.modules.gated_deltanet"):
-            stack.enter_context(mock.patch(f"{module}.choose_backend", lambda *a: "tilelang"))
+    with recording(sms) as found:
         for name in names:
             hidden, H, HV, D, B, T, lengths = SHAPES[name]
             for lib in ("ours", "ours_recompute"):

@@ -80,8 +80,8 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     o, final, gdn = chunk_gated_delta_rule_fwd(
         q.view(B, T, lay.num_heads, -1), k.view(B, T, lay.num_heads, -1), v.view(B, T, lay.num_v_heads, -1),
         g.view(B, T, -1), beta.view(B, T, -1), scale=config.scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp, save_states=config.save_states,
-        kernel_options=config.kernel_options, cu_seqlens_cpu=cu_seqlens_cpu)
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp,
+        save_states=config.save_states, kernel_options=config.kernel_options, cu_seqlens_cpu=cu_seqlens_cpu)
     y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
     # the op's inputs are recomputed from P in the backward (identical values), not kept
     gdn = replace(gdn, q=None, k=None, v=None, g=None, beta=None, initial_state=None)

@@ -225,7 +225,8 @@ def test_training_calls_take_the_fused_layer_and_the_others_the_steps(monkeypatc
     real_fused, real_op = gdn_mod.fused_mixer, gdn_mod.chunk_gated_delta_rule
     real_with_states = gdn_mod.fused_mixer_with_states
     monkeypatch.setattr(gdn_mod, "fused_mixer", lambda *a, **kw: fused.append(1) or real_fused(*a, **kw))
-    monkeypatch.setattr(gdn_mod, "fused_mixer_with_states", lambda *a, **kw: fused.append(1) or real_with_states(*a, **kw))
+    monkeypatch.setattr(gdn_mod, "fused_mixer_with_states",
+                        lambda *a, **kw: fused.append(1) or real_with_states(*a, **kw))
     monkeypatch.setattr(gdn_mod, "chunk_gated_delta_rule", lambda *a, **kw: steps.append(kw) or real_op(*a, **kw))
     m = _layer()
     m(_x(2, 9))
@@ -278,7 +279,8 @@ def test_prefill_with_use_cache_runs_fused_and_matches_the_step_path(kind, monke
     assert rel_err(out, want) < 1e-12
     assert torch.equal(cache.conv_state, want_cache.conv_state)
     assert rel_err(cache.recurrent_state, want_cache.recurrent_state) < 1e-12
-    assert cache.recurrent_state.dtype == want_cache.recurrent_state.dtype and cache.seen_tokens == want_cache.seen_tokens
+    assert cache.recurrent_state.dtype == want_cache.recurrent_state.dtype
+    assert cache.seen_tokens == want_cache.seen_tokens
     assert rel_err(after, want_after) < 1e-12
 
 
