@@ -34,6 +34,7 @@ from ..ops import (GDNContext, backward_will_run, chunk_gated_delta_rule_bwd, ch
 from ..options import DEFAULT_OPTIONS, KernelOptions
 from ..reference import layer_steps as torch_steps
 from ..reference.layer_steps import ProjectionLayout, token_positions
+from .short_conv import last_inputs
 
 
 @dataclass(frozen=True)
@@ -227,11 +228,10 @@ def fused_mixer(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig
 def fused_mixer_with_states(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig, initial_state=None,
                             cu_seqlens=None, cu_seqlens_cpu=None):
     """Inference (no backward) that also returns what a cache carries on, e.g. a prompt's prefill:
-    (y [B, T, HV * dv], the op's final states [N, HV, dk, dv], the conv inputs [B, T, C] (P's conv
-    columns, in the conv's channel order))."""
+    (y [B, T, HV * dv], the op's final states [N, HV, dk, dv], the conv states [N, C, K - 1]: the
+    last K - 1 conv inputs of each sequence, 0 before its start, read from P's rows)."""
     config = _resolved(replace(config, save_states=False), P)
     y, _, _, _, final = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
                                  cu_seqlens_cpu, output_final_state=True)
-    B, T, width = P.shape
-    conv_inputs = P.reshape(B * T, width)[:, config.layout.conv_columns().to(P.device)]
-    return y, final, conv_inputs.view(B, T, -1)
+    conv_state = last_inputs(P, cu_seqlens, conv_weight.shape[-1] - 1)[:, config.layout.conv_columns().to(P.device)]
+    return y, final, conv_state

@@ -46,7 +46,7 @@ from .fused_cp_steps import GatedNorm, LayerInputs
 from .fused_mixer import MixerConfig, fused_mixer, fused_mixer_with_states
 from .hf_params import gdn_from_qwen3_next
 from .norm import GatedRMSNorm
-from .short_conv import ShortConvolution, last_inputs, last_kept_inputs
+from .short_conv import ShortConvolution, last_kept_inputs
 
 
 def _fail(message: str):
@@ -345,8 +345,10 @@ class GatedDeltaNet(nn.Module):
                                       cp_context=cp_context)
         return self.out_proj(GatedNorm.apply(o, z, self.norm.weight, config))
 
-    def _fused_mix(self, x, cu_seqlens, cu_host, recurrent_state, backend, output_final_state=False):
-        """_mix's results on the fused layer; the states and conv inputs only with output_final_state."""
+    def _fused_mix(self, x, cu_seqlens, cu_host, recurrent_state, backend, output_final_state=False,
+                   conv_inputs=False):
+        """_mix's results on the fused layer: the states only with output_final_state, the conv inputs
+        (a gather of P's conv columns) only where asked for."""
         P = F.linear(x, self._projection_weight())
         config = self._mixer_config(backend)
         if recurrent_state is not None:
@@ -355,8 +357,9 @@ class GatedDeltaNet(nn.Module):
                 cu_seqlens, cu_host)
         if not output_final_state:
             return self.out_proj(fused_mixer(*args)), None, None, None
-        y, final, conv_inputs = fused_mixer_with_states(*args)
-        return self.out_proj(y), last_inputs(conv_inputs, cu_seqlens, self.conv_size - 1), final, conv_inputs
+        y, final, conv_state = fused_mixer_with_states(*args)
+        mixed = P[..., self.projection_layout.conv_columns().to(P.device)] if conv_inputs else None
+        return self.out_proj(y), conv_state, final, mixed
 
     def _output(self, o, z):
         B, T = o.shape[:2]
@@ -417,8 +420,10 @@ class GatedDeltaNet(nn.Module):
     # ---- forward -------------------------------------------------------------------------------
 
     def _mix(self, hidden_states, attention_mask=None, cu_seqlens=None, conv_state=None, recurrent_state=None,
-             output_final_state=False, cp_context=None):
-        """The layer. Returns (output [B, T, D], new conv state, new recurrent state, conv input [B, T, C])."""
+             output_final_state=False, cp_context=None, conv_inputs=False):
+        """The layer. Returns (output [B, T, D], new conv state, new recurrent state, conv input [B, T, C]);
+        the fused path returns the conv input only with conv_inputs (it is a gather from P there), and
+        the states only with output_final_state."""
         num_seqs = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) else 0
         cu_host = None
         if cp_context is None:
@@ -439,7 +444,8 @@ class GatedDeltaNet(nn.Module):
         if fused is not None and cp_context is not None:
             return self._fused_cp_mix(hidden_states, cu_seqlens, recurrent_state, cp_context, fused), None, None, None
         if fused is not None:
-            return self._fused_mix(hidden_states, cu_seqlens, cu_host, recurrent_state, fused, output_final_state)
+            return self._fused_mix(hidden_states, cu_seqlens, cu_host, recurrent_state, fused, output_final_state,
+                                   conv_inputs)
         keep = None
         if attention_mask is not None:
             # padded tokens: zero input (nothing leaks through the conv), g = beta = 0 (the state passes

@@ -44,7 +44,7 @@ class Qwen3NextGatedDeltaNetFlash(GatedDeltaNet):
                 conv_state = conv_state[..., conv_state.shape[-1] - (self.conv_size - 1):].clone()
         out, _, new_state, mixed = self._mix(
             hidden_states, attention_mask, cu_seqlens, conv_state, recurrent_state,
-            output_final_state=cache is not None, cp_context=cp_context,
+            output_final_state=cache is not None, cp_context=cp_context, conv_inputs=cache is not None,
         )
         if cache is not None:
             # hand the cache the raw conv inputs: it keeps the last K itself (and the whole past when it
