@@ -18,16 +18,16 @@ import sys
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "examples")]
 
-from precompile_cache import MATMULS, recording  # noqa: E402
+from precompile_cache import MatmulsSkipped, recording  # noqa: E402
 
 
-class LiveStorages(TorchDispatchMode):
-    """Bytes of the tensor storages ops created and that are still alive; the peak and its contents."""
+class LiveStorages(MatmulsSkipped):
+    """Bytes of the tensor storages ops created and that are still alive; the peak and its contents
+    (matmuls skipped: their outputs' shapes and dtypes are what matters here, not the values)."""
 
     def __init__(self):
         super().__init__()
@@ -37,10 +37,7 @@ class LiveStorages(TorchDispatchMode):
         self.phase = "forward"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in MATMULS:  # the shape and dtype are what matters here, not the values
-            out = torch.empty(MATMULS[func](*args), dtype=args[-1].dtype)
-        else:
-            out = func(*args, **(kwargs or {}))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         for key in [k for k, (ref, _, _) in self.live.items() if ref.expired()]:
             self.now -= self.live.pop(key)[1]
         for t in out if isinstance(out, (tuple, list)) else [out]:
