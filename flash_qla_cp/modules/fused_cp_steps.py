@@ -17,6 +17,7 @@ import torch
 
 from ..parallel.conv_halo import return_halo_grad, send_halo
 from ..parallel.context import CPError
+from ..reference.layer_steps import layout_columns
 from .fused_mixer import MixerConfig, _steps
 
 
@@ -29,12 +30,12 @@ class LayerInputs(torch.autograd.Function):
         if T < W:
             raise CPError(f"GatedDeltaNet: {T} local tokens < conv_size - 1 = {W}")
         rows = P.view(B * T, width)
-        conv_cols = lay.conv_columns().to(P.device)
+        conv_cols = layout_columns(lay, "conv", P.device)
         halo = send_halo(rows[B * T - W :, conv_cols][None], cp_context)[0]  # [W, C]
         steps = _steps(config, conv_weight.shape[-1])
         q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
                                                    config.allow_neg_eigval, history=halo)
-        z = rows[:, lay.z_columns().to(P.device)]
+        z = rows[:, layout_columns(lay, "z", P.device)]
         ctx.config, ctx.cp_context = config, cp_context
         ctx.save_for_backward(P, conv_weight, A_log, dt_bias, positions, halo)
         H, HV = lay.num_heads, lay.num_v_heads
@@ -54,12 +55,12 @@ class LayerInputs(torch.autograd.Function):
                                    (dbeta, (NT, HV), torch.float32), (dz, (NT, HV * lay.head_v_dim), P.dtype)):
             grads.append(grad.reshape(shape) if grad is not None else torch.zeros(shape, dtype=dtype, device=P.device))
         dP = torch.empty_like(rows)  # every column written: z's here, the others by the step
-        dP[:, lay.z_columns().to(P.device)] = grads[5].to(dP.dtype)
+        dP[:, layout_columns(lay, "z", P.device)] = grads[5].to(dP.dtype)
         steps = _steps(config, conv_weight.shape[-1])
         dconv, dA_log, ddt_bias, dhalo = steps.op_inputs_backward(
             *grads[:5], rows, lay, conv_weight, A_log, dt_bias, positions, config.allow_neg_eigval, dP, history=halo)
         W = halo.shape[0]
-        conv_cols = lay.conv_columns().to(P.device)
+        conv_cols = layout_columns(lay, "conv", P.device)
         tail_grad = return_halo_grad(dhalo[None], ctx.cp_context)[0]  # what the next rank's conv sent back
         dP[NT - W :, conv_cols] += tail_grad.to(dP.dtype)
         return dP.view(B, T, width), dconv, dA_log, ddt_bias, None, None, None

@@ -33,7 +33,7 @@ from ..ops import (GDNContext, backward_will_run, chunk_gated_delta_rule_bwd, ch
                    put_tensors, take_tensors)
 from ..options import DEFAULT_OPTIONS, KernelOptions
 from ..reference import layer_steps as torch_steps
-from ..reference.layer_steps import ProjectionLayout, token_positions
+from ..reference.layer_steps import ProjectionLayout, layout_columns, token_positions
 from .short_conv import last_inputs
 
 
@@ -233,5 +233,6 @@ def fused_mixer_with_states(P, conv_weight, A_log, dt_bias, norm_weight, config:
     config = _resolved(replace(config, save_states=False), P)
     y, _, _, _, final = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
                                  cu_seqlens_cpu, output_final_state=True)
-    conv_state = last_inputs(P, cu_seqlens, conv_weight.shape[-1] - 1)[:, config.layout.conv_columns().to(P.device)]
+    conv_cols = layout_columns(config.layout, "conv", P.device)
+    conv_state = last_inputs(P, cu_seqlens, conv_weight.shape[-1] - 1)[:, conv_cols]
     return y, final, conv_state

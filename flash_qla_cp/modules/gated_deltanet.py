@@ -16,13 +16,15 @@ proj_layout='qwen3_5' (Qwen3.5): in_proj_qkv [2*H*dk + HV*dv, D] (all q, all k, 
 
 A "group" is the r = HV / H value heads that read key head h (v head index h*r + j).
 
-Two paths. Training-style calls (dense or packed, no mask, no cache; eager or compiled) and a
-prompt's prefill (a cache out, none in, no backward: `fused_mixer_with_states`) run fused: the
-projections as one matmul, then `fused_mixer` (conv, l2 norm and gates in one step, the op, the
-gated norm in another) and out_proj; under context parallelism the two steps are
-autograd nodes around the CP op (`fused_cp_steps.py`, the conv halo exchanged inside). Every other
-call takes the step path: the projections split, `short_conv`, `_gates`, `_core`, the norm, each
-a torch op (under CP: `short_conv` exchanges the halo, `_core` takes `cp_context`).
+Two paths. Training-style calls (dense or packed, no padding mask; eager or compiled), a prompt's
+prefill and decoding (a cache out without a backward: `fused_mixer_with_states`; single tokens on
+the TileLang backend) run fused: the projections as one matmul, then `fused_mixer` (conv, l2 norm
+and gates in one step, the op, the gated norm in another) and out_proj; a cache's conv state
+enters as rows in front of each sequence (`history_rows.py`); under context parallelism the two
+steps are autograd nodes around the CP op (`fused_cp_steps.py`, the conv halo exchanged inside).
+Padding masks, a cache out with a backward to come and single tokens on the torch backend take
+the step path: the projections split, `short_conv`, `_gates`, `_core`, the norm, each a torch op
+(under CP: `short_conv` exchanges the halo, `_core` takes `cp_context`).
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ from ..backends import choose_backend
 from ..ops import backward_will_run
 from ..parallel.conv_halo import exchange_conv_halo
 from ..reference.chunked import compute_dtype
-from ..reference.layer_steps import ProjectionLayout, continued_positions, token_positions
+from ..reference.layer_steps import ProjectionLayout, continued_positions, layout_columns, token_positions
 from ..reference.shapes import expand_qk_heads, l2norm
 from ..validation import is_intra_option
 from .fused_cp_steps import GatedNorm, LayerInputs
 from .fused_mixer import MixerConfig, fused_mixer, fused_mixer_with_states
 from .hf_params import gdn_from_qwen3_next
+from .history_rows import HistoryRows
 from .norm import GatedRMSNorm
 from .short_conv import ShortConvolution, last_kept_inputs
 
@@ -298,30 +301,43 @@ class GatedDeltaNet(nn.Module):
 
     def _projection_weight(self):
         """The input projections as one weight (rows in `self.projection_layout`'s order): one matmul."""
+        return torch.cat([p.weight for p in self._projections()])
+
+    def _projections(self):
         if self.proj_layout == "qwen3_next":
-            parts = (self.in_proj_qkvz, self.in_proj_ba)
-        else:
-            parts = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        return torch.cat([p.weight for p in parts])
+            return (self.in_proj_qkvz, self.in_proj_ba)
+        return (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
+    def _projection_rows(self, x):
+        """P [B, T, width]: the input projections' outputs, one row per token in `projection_layout`.
+        One matmul on the weights put together; where the call has fewer tokens than the layer
+        has hidden units (decoding), a matmul per projection and their outputs put together, which
+        copies less than the weights."""
+        if x.shape[0] * x.shape[1] >= self.hidden_size:
+            return F.linear(x, self._projection_weight())
+        return torch.cat([F.linear(x, p.weight) for p in self._projections()], dim=-1)
 
     def _fused_backend(self, x, attention_mask, conv_state, output_final_state, cp_context):
         """The op backend for the fused layer, or None where this call takes the step path: padding
-        masks, an incoming conv state (a cache), single tokens (decoding), states out (use_cache)
-        unless it is inference without CP or compilation (a prompt's prefill runs fused), the torch
-        backend's own intra-card split (partitions asked for), or CP under torch.compile. Under
-        torch.compile the backend is chosen inside the fused layer's custom op."""
-        if attention_mask is not None or conv_state is not None or x.shape[1] <= 1:
+        masks; states out (use_cache) unless it is inference without CP or compilation (a prompt's
+        prefill, decoding); on the torch backend its own intra-card split (partitions asked for)
+        and single tokens (its one-token recurrence costs less there than a chunk of the chunked
+        op); under torch.compile also a cache in (its rows are planned on the host), single tokens
+        and CP. Under torch.compile the backend is chosen inside the fused layer's custom op."""
+        if attention_mask is not None:
             return None
         if output_final_state and (cp_context is not None or torch.compiler.is_compiling()
                                    or backward_will_run(x, *self.parameters())):
             return None
         split_asked = cp_context is None and self.intra_cp not in ("auto", "off")
+        single_token = x.shape[1] == 1
         if torch.compiler.is_compiling():
-            return None if split_asked or cp_context is not None else self.backend
+            steps = split_asked or cp_context is not None or conv_state is not None or single_token
+            return None if steps else self.backend
         dtype = _projection_dtype(x)  # what the kernels will read: the projection's output
         backend = choose_backend(self.backend, x.new_empty(0, self.head_k_dim, dtype=dtype),
                                  x.new_empty(0, self.head_v_dim, dtype=dtype))
-        return None if backend == "torch" and split_asked else backend
+        return None if backend == "torch" and (split_asked or single_token) else backend
 
     def _mixer_config(self, backend) -> MixerConfig:
         return MixerConfig(self.projection_layout, self.allow_neg_eigval, self.norm_eps, self.head_k_dim**-0.5,
@@ -329,7 +345,7 @@ class GatedDeltaNet(nn.Module):
 
     def _fused_cp_mix(self, x, cu_seqlens, recurrent_state, cp_context, backend):
         """The fused steps around the CP op (`fused_cp_steps.py`): this rank's slice x [1, T, D]."""
-        P = F.linear(x, self._projection_weight())
+        P = self._projection_rows(x)
         T = x.shape[1]
         positions = token_positions(1, T, cp_context.local_cu_seqlens(x.device), x.device)
         if cp_context.first_continues:  # its conv reads the previous rank's last inputs
@@ -345,21 +361,32 @@ class GatedDeltaNet(nn.Module):
                                       cp_context=cp_context)
         return self.out_proj(GatedNorm.apply(o, z, self.norm.weight, config))
 
-    def _fused_mix(self, x, cu_seqlens, cu_host, recurrent_state, backend, output_final_state=False,
+    def _fused_mix(self, x, cu_seqlens, cu_host, conv_state, recurrent_state, backend, output_final_state=False,
                    conv_inputs=False):
         """_mix's results on the fused layer: the states only with output_final_state, the conv inputs
-        (a gather of P's conv columns) only where asked for."""
-        P = F.linear(x, self._projection_weight())
+        (a gather of P's conv columns) only where asked for. A cache's conv state goes in as rows in
+        front of each sequence (`history_rows.py`)."""
+        P = self._projection_rows(x)
+        B, T, _ = P.shape
+        mixed = P[..., layout_columns(self.projection_layout, "conv", P.device)] if conv_inputs else None
+        rows = None
+        if conv_state is not None:
+            rows = HistoryRows.of(B, T, cu_seqlens, cu_host, self.conv_size - 1, P.device)
+            P = rows.extend(P, conv_state, self.projection_layout)
+            cu_seqlens, cu_host = rows.cu_seqlens, rows.cu_seqlens_cpu
         config = self._mixer_config(backend)
         if recurrent_state is not None:
             recurrent_state = recurrent_state.to(compute_dtype(x))
         args = (P, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, config, recurrent_state,
                 cu_seqlens, cu_host)
-        if not output_final_state:
-            return self.out_proj(fused_mixer(*args)), None, None, None
-        y, final, conv_state = fused_mixer_with_states(*args)
-        mixed = P[..., self.projection_layout.conv_columns().to(P.device)] if conv_inputs else None
-        return self.out_proj(y), conv_state, final, mixed
+        final = new_conv_state = None
+        if output_final_state:
+            y, final, new_conv_state = fused_mixer_with_states(*args)
+        else:
+            y = fused_mixer(*args)
+        if rows is not None:
+            y = rows.drop(y, B, T)
+        return self.out_proj(y), new_conv_state, final, mixed
 
     def _output(self, o, z):
         B, T = o.shape[:2]
@@ -444,8 +471,8 @@ class GatedDeltaNet(nn.Module):
         if fused is not None and cp_context is not None:
             return self._fused_cp_mix(hidden_states, cu_seqlens, recurrent_state, cp_context, fused), None, None, None
         if fused is not None:
-            return self._fused_mix(hidden_states, cu_seqlens, cu_host, recurrent_state, fused, output_final_state,
-                                   conv_inputs)
+            return self._fused_mix(hidden_states, cu_seqlens, cu_host, conv_state, recurrent_state, fused,
+                                   output_final_state, conv_inputs)
         keep = None
         if attention_mask is not None:
             # padded tokens: zero input (nothing leaks through the conv), g = beta = 0 (the state passes

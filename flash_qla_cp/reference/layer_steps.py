@@ -21,6 +21,7 @@ the previous rank's last inputs, `continued_positions`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,13 @@ class ProjectionLayout:
         return self._value_columns(self.a_offset, self.a_head_stride, 1)
 
 
+@functools.lru_cache(maxsize=None)
+def layout_columns(layout: ProjectionLayout, part: str, device: torch.device) -> torch.Tensor:
+    """`layout`'s columns of a part ('conv', 'z', 'a' or 'b') as an index tensor on `device`, made once:
+    a host-to-device copy waits for the GPU's queue, so a layer call should not make one."""
+    return getattr(layout, f"{part}_columns")().to(device)
+
+
 def token_positions(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
     """int32 [batch * seq_len]: each token's index inside its sequence (rows of a batch, or the
     sequences packed by cu_seqlens)."""
@@ -192,14 +200,14 @@ def _split_heads(layout, x, NT):
 def _conv_inputs(P, layout, conv_weight, positions, history, dtype):
     """(conv columns of P, the conv's inputs x with the history rows in front, their positions, the
     weight [C, K]), in the compute dtype: what the step's forward and backward both convolve."""
-    cols = layout.conv_columns().to(P.device)
+    cols = layout_columns(layout, "conv", P.device)
     x, pos = _with_history(P[:, cols].to(dtype), positions, history)
     return cols, x, pos, conv_weight.reshape(x.shape[1], -1).to(dtype)
 
 
 def _gate_inputs(P, layout, dtype):
     """(a columns, b columns, a, b): where P holds the gates' inputs, and those inputs in the compute dtype."""
-    a_cols, b_cols = layout.a_columns().to(P.device), layout.b_columns().to(P.device)
+    a_cols, b_cols = layout_columns(layout, "a", P.device), layout_columns(layout, "b", P.device)
     return a_cols, b_cols, P[:, a_cols].to(dtype), P[:, b_cols].to(dtype)
 
 
@@ -266,7 +274,7 @@ def gated_norm_forward(o, P, layout: ProjectionLayout, weight, eps):
     """o [NT, HV, dv] -> rmsnorm(o) * weight * silu(z) as [NT, HV * dv] in o's dtype."""
     dtype = compute_dtype(o)
     NT = o.shape[0]
-    z = P[:, layout.z_columns().to(P.device)].reshape(o.shape).to(dtype)
+    z = P[:, layout_columns(layout, "z", P.device)].reshape(o.shape).to(dtype)
     of = o.to(dtype)
     n = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
     return (n * weight.to(dtype) * F.silu(z)).to(o.dtype).reshape(NT, -1)
@@ -276,7 +284,7 @@ def gated_norm_backward(dy, o, P, layout: ProjectionLayout, weight, eps):
     """Gradients of `gated_norm_forward`: (do [NT, HV, dv] in o's dtype, dz [NT, HV, dv] in P's dtype
     (by v-head; `ProjectionLayout.z_block` places it in P's layout), d weight in its dtype)."""
     dtype = compute_dtype(o)
-    zc = layout.z_columns().to(P.device)
+    zc = layout_columns(layout, "z", P.device)
     z = P[:, zc].reshape(o.shape).to(dtype)
     of = o.to(dtype)
     dyf = dy.reshape(o.shape).to(dtype)

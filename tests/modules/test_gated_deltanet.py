@@ -217,8 +217,9 @@ def test_bfloat16_close_to_float32():
 
 def test_training_calls_take_the_fused_layer_and_the_others_the_steps(monkeypatch):
     """Plain, packed and initial-state calls run the fused layer (`modules/fused_mixer.py`), and so
-    do a mask without padding and an inference prefill with use_cache; padding masks, caches in,
-    states out with a backward to come and single tokens take the step-by-step path."""
+    do a mask without padding, inference with use_cache (a prefill, a cache continued) and a cache
+    in with a backward but no states out; padding masks, states out with a backward to come and,
+    on the torch backend, single tokens (decoding) take the step-by-step path."""
     import flash_qla_cp.modules.gated_deltanet as gdn_mod
 
     fused, steps = [], []
@@ -242,9 +243,15 @@ def test_training_calls_take_the_fused_layer_and_the_others_the_steps(monkeypatc
         m(_x(2, 9), use_cache=True)  # a prompt's prefill: states out, no backward
         assert len(fused) == 5 and len(steps) == 2
         m(_x(2, 9), cache=cache, use_cache=True)  # a cache in (its conv history)
-        assert len(fused) == 5 and len(steps) == 3
-        m(_x(2, 1), use_cache=True)  # a single token
-    assert len(fused) == 5
+        m(_x(1, 2), cu_seqlens=random_cu_seqlens([1, 1]), cache=cache, use_cache=True)  # packed single tokens
+        assert len(fused) == 7 and len(steps) == 2
+        m(_x(2, 1), cache=cache, use_cache=True)  # decoding: the torch backend's one-token recurrence
+        m(_x(2, 1), use_cache=True)
+        assert len(fused) == 7 and len(steps) == 2
+    m(_x(2, 3), cache=cache)  # a cache in, a backward to come, no states out
+    assert len(fused) == 8 and len(steps) == 2
+    m(_x(2, 3), cache=cache, use_cache=True)  # states out and a backward to come
+    assert len(fused) == 8 and len(steps) == 3
 
 
 @pytest.mark.parametrize("kind", ["dense", "packed", "initial_state"])
@@ -282,6 +289,61 @@ def test_prefill_with_use_cache_runs_fused_and_matches_the_step_path(kind, monke
     assert cache.recurrent_state.dtype == want_cache.recurrent_state.dtype
     assert cache.seen_tokens == want_cache.seen_tokens
     assert rel_err(after, want_after) < 1e-12
+
+
+def _cache(m, N, seed):
+    gen = torch.Generator().manual_seed(seed)
+    conv = torch.randn(N, m.conv_dim, m.conv_size - 1, generator=gen, dtype=torch.float64)
+    state = torch.randn(N, m.num_v_heads, m.head_k_dim, m.head_v_dim, generator=gen, dtype=torch.float64)
+    return GDNCache(conv, state)
+
+
+@pytest.mark.parametrize("kind", ["dense", "decode", "packed"])
+def test_continuing_a_cache_runs_fused_and_matches_the_step_path(kind, monkeypatch):
+    """A cache in (a prompt in pieces, or a token per sequence packed: decoding as the TileLang
+    backend runs it) takes the fused layer, its conv state as rows in front of each sequence:
+    output and cache equal the step path's, and with a backward (no states out) so do the
+    gradients of the input, the cache and the parameters."""
+    import flash_qla_cp.modules.gated_deltanet as gdn_mod
+
+    fused = []
+    for name in ("fused_mixer", "fused_mixer_with_states"):
+        real = getattr(gdn_mod, name)
+        monkeypatch.setattr(gdn_mod, name, lambda *a, _real=real, **kw: fused.append(1) or _real(*a, **kw))
+    m = _layer()
+    kw = {}
+    if kind == "dense":
+        x, N = _x(3, 6), 3
+    else:
+        lengths = [4, 1, 0, 2, 30] if kind == "packed" else [1, 1, 1]
+        kw["cu_seqlens"] = random_cu_seqlens(lengths)
+        x, N = _x(1, sum(lengths)), len(lengths)
+    cache = _cache(m, N, seed=7)
+
+    def grads():
+        m.zero_grad()
+        xs = x.clone().requires_grad_(True)
+        conv = cache.conv_state.clone().requires_grad_(True)
+        state = cache.recurrent_state.clone().requires_grad_(True)
+        m(xs, cache=GDNCache(conv, state), **kw).square().sum().backward()
+        return [xs.grad, conv.grad, state.grad] + [p.grad.clone() for p in m.parameters()]
+
+    with torch.no_grad():
+        out, new_cache = m(x, cache=cache, use_cache=True, **kw)
+    got = grads()
+    assert fused == [1, 1]
+    with monkeypatch.context() as patch:
+        patch.setattr(GatedDeltaNet, "_fused_backend", lambda self, *args: None)  # the step path
+        with torch.no_grad():
+            want, want_cache = m(x, cache=cache, use_cache=True, **kw)
+        want_grads = grads()
+    assert fused == [1, 1]
+    assert rel_err(out, want) < 1e-12
+    assert torch.equal(new_cache.conv_state, want_cache.conv_state)
+    assert rel_err(new_cache.recurrent_state, want_cache.recurrent_state) < 1e-12
+    assert rel_err(out, m(x, **kw)) > 1e-3  # the cache matters
+    for a, b in zip(got, want_grads):
+        assert rel_err(a, b) < 1e-10
 
 
 def test_save_states_option_reaches_the_op(monkeypatch):
