@@ -13,6 +13,7 @@
 #   bench      benchmarks/bench_kernels.py (SHAPES, LIBS narrow it; GRAPHS=1 adds CUDA-graph replays)
 #   bench_layer  benchmarks/bench_layer.py: our GatedDeltaNet against FLA's (LAYER_SHAPES, LIBS, BENCH_ARGS; MERGE=1
 #              keeps the rows of benchmarks/results/bench_layer_<gpu>.json it does not re-measure)
+#   decode     benchmarks/bench_decode.py: prefill and decoding with a cache, ours and FLA's (DECODE_ARGS)
 #   tune_split tools/tune_split.py (SHAPES, PARTS)
 #   tune_layer tools/tune_layer.py: block sizes of the layer's kernels around the op (LAYER_SHAPES)
 #   profile    tools/profile_kernels.py (SHAPES, INTRA, PROFILE_LIB)
@@ -48,6 +49,8 @@ for phase in "$@"; do
     bench_layer) timeout "${BENCH_TIMEOUT:-540}" python benchmarks/bench_layer.py --out "$OUT/bench_layer_$GPU_TAG" \
                    ${LAYER_SHAPES:+--shapes "$LAYER_SHAPES"} ${LIBS:+--libs "$LIBS"} ${MERGE_ARG:-} ${BENCH_ARGS:-} 2>&1 \
                    | grep '^{' | cut -c1-400 ;;
+    decode) timeout "${BENCH_TIMEOUT:-300}" python benchmarks/bench_decode.py --out "$OUT/bench_decode_$GPU_TAG" \
+              ${DECODE_ARGS:-} 2>&1 | grep '^{' | cut -c1-300 ;;
     tune_split) timeout "${BENCH_TIMEOUT:-420}" python tools/tune_split.py --out "$OUT/tune_split" \
                   ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} 2>&1 | grep '^{' | cut -c1-400 ;;
     tune_layer) timeout "${BENCH_TIMEOUT:-300}" python tools/tune_layer.py --out "$OUT/tune_layer" \

@@ -15,6 +15,7 @@ code on CPU tensors with every launch recorded instead of run (the plans decide,
 --train-recipe: the same for the long-sequence training recipe (8 / 16 heads of 128, the
 fused layer's kernels and the op's fwd+bwd on the packed rows of examples/hybrid_lm's corpus)
 at these tokens per step.
+--decode-batches: the same for benchmarks/bench_decode.py (prefill and a decoding step).
 TileLang's cache key is the kernel's script, the target and the pass configs, none of which
 needs a GPU: with the arch pinned to the device's, the keys are the device's. Needs nvcc here
 (`pip install "tilelang[nvcc]"` or a CUDA toolkit).
@@ -150,6 +151,22 @@ def layer_shape_specs(names, sms=132):
     return list(found)
 
 
+def decode_specs(batches, prompt, sms=132):
+    """[KernelSpec] our GatedDeltaNet launches in benchmarks/bench_decode.py (Qwen3-Next's dims): a
+    prompt's prefill and a decoding step for each batch size, fused and step by step."""
+    from flash_qla_cp import GatedDeltaNet
+
+    with recording(sms) as found, torch.no_grad(), MatmulsSkipped():
+        for steps in (False, True):
+            layer = GatedDeltaNet(2048, 16, 32, 128, 128, dtype=torch.bfloat16).eval()
+            if steps:
+                layer._fused_backend = lambda *args: None
+            for B in batches:
+                _, cache = layer(torch.zeros(B, prompt, 2048, dtype=torch.bfloat16), use_cache=True)
+                layer(torch.zeros(B, 1, 2048, dtype=torch.bfloat16), cache=cache, use_cache=True)
+    return list(found)
+
+
 def train_recipe_specs(seq_lens, sms=132, steps=6):
     """[KernelSpec] of the training recipe's GDN layers (H 8, HV 16, K = V = 128, bf16): the fused
     layer's kernels and the op's training fwd+bwd on the first `steps` packed rows per length."""
@@ -182,13 +199,16 @@ def main():
     ap.add_argument("--layer-shapes", help="comma-separated shape names of benchmarks/bench_layer.py")
     ap.add_argument("--gpu-tests", action="store_true", help="the kernels of tests/gpu/test_op.py")
     ap.add_argument("--train-recipe", help="comma-separated tokens per step of the training recipe")
+    ap.add_argument("--decode-batches", help="comma-separated batch sizes of benchmarks/bench_decode.py")
+    ap.add_argument("--decode-prompt", type=int, default=2048, help="its prompt tokens per sequence")
     ap.add_argument("--arch", default="sm_90a", help="the device's arch (H200: sm_90a)")
     ap.add_argument("--sms", type=int, default=132, help="the device's SM count (H200: 132)")
     ap.add_argument("--tar", default=".device/tlcache.tar.xz", help="cache archive to extend (created if absent)")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
-    if not (args.log or args.bench_shapes or args.layer_shapes or args.gpu_tests or args.train_recipe):
-        ap.error("give --log, --bench-shapes, --layer-shapes, --gpu-tests and / or --train-recipe")
+    if not (args.log or args.bench_shapes or args.layer_shapes or args.gpu_tests or args.train_recipe
+            or args.decode_batches):
+        ap.error("give --log, --bench-shapes, --layer-shapes, --gpu-tests, --train-recipe and / or --decode-batches")
 
     work = tempfile.mkdtemp(prefix="tlcache_")
     if os.path.exists(args.tar):
@@ -209,6 +229,8 @@ def main():
         todo += gpu_test_specs(args.sms)
     if args.train_recipe:
         todo += train_recipe_specs([int(n) for n in args.train_recipe.split(",")], args.sms)
+    if args.decode_batches:
+        todo += decode_specs([int(b) for b in args.decode_batches.split(",")], args.decode_prompt, args.sms)
     todo = list(dict.fromkeys(todo))
     start = time.time()
     done = 0
