@@ -442,6 +442,10 @@ class GatedDeltaNet(nn.Module):
             want = (N, self.num_v_heads, self.head_k_dim, self.head_v_dim)
             if tuple(recurrent_state.shape) != want:
                 _fail(f"recurrent state must be [N, HV, dk, dv] = {want}, got {tuple(recurrent_state.shape)}")
+        for name, state in (("conv_state", conv_state), ("recurrent state", recurrent_state)):
+            if state is not None and (not state.is_floating_point() or state.device != x.device):
+                _fail(f"{name} must be floating point on hidden_states' device {x.device}, "
+                      f"got {state.dtype} on {state.device}")
         return N, keeps_all, cu_host
 
     # ---- forward -------------------------------------------------------------------------------
