@@ -151,9 +151,17 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             tmp_f = T.alloc_fragment((C, K), acc)
             hd_f = T.alloc_fragment((RS, V), acc)
             hrow_f = T.alloc_fragment((RS,), acc)
-            row_f = T.alloc_fragment((C,), acc)
+            # one fragment per reduction result: a fragment shared by several reductions joins
+            # their loops into one layout-inference component, which TileLang searches root by
+            # root (lowering took ~30 s longer; the generated code is the same)
+            pmqk_row_f = T.alloc_fragment((C,), acc)
+            q_term_f = T.alloc_fragment((C,), acc)
+            te_term_f = T.alloc_fragment((C,), acc)
+            vn_term_f = T.alloc_fragment((C,), acc)
+            dg_f = T.alloc_fragment((C,), acc)
             col_f = T.alloc_fragment((C,), acc)
-            one_f = T.alloc_fragment((1,), acc)
+            s_ds_f = T.alloc_fragment((1,), acc)
+            vn_total_f = T.alloc_fragment((1,), acc)
             glast_g = T.alloc_var(acc)
 
             landed = T.alloc_barrier(arrive_count=32)  # the walk's first tiles (the loader waits)
@@ -319,12 +327,12 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         x_f[i, j] = cc_f[i, j] * qk_f[i, j]
                     T.copy(cc_f, pm_s)
                     T.fence_proxy_async()
-                    T.reduce_sum(x_f, row_f, dim=1)
+                    T.reduce_sum(x_f, pmqk_row_f, dim=1)
                     # batched: two barrier pairs for the 16 columns a thread holds instead of 16
                     # pairs (the unbatched sum took ~22% of this warpgroup's time, ncu); 8, not 16:
                     # its workspace (batch x 128 floats) has to fit in what shared memory is left
                     T.reduce_sum(x_f, col_f, dim=0, batch=8)
-                    T.copy(row_f, r_s[3, :])
+                    T.copy(pmqk_row_f, r_s[3, :])
                     T.copy(col_f, r_s[4, :])
                     # dq = scale E dO S^T + Pm k
                     T.gemm(do_s, h_s, acc_f, transpose_B=True, clear_accum=True)
@@ -332,8 +340,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         acc_f[i, d] = acc_f[i, d] * (T.exp2(g_s[s, i] * LOG2E) * scale)
                     for i, d in T.Parallel(C, K):
                         tmp_f[i, d] = acc_f[i, d] * q_s[i, d]
-                    T.reduce_sum(tmp_f, row_f, dim=1)
-                    T.copy(row_f, r_s[5, :])
+                    T.reduce_sum(tmp_f, q_term_f, dim=1)
+                    T.copy(q_term_f, r_s[5, :])
                     T.gemm(pm_s, k_s, acc_f)
                     for i, d in T.Parallel(C, K):
                         if i < L:
@@ -347,8 +355,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         for i, d in T.Parallel(RS, V):
                             hd_f[i, d] += T.cast(h_s[sl * RS + i, d], acc) * T.cast(dh_s[sl * RS + i, d], acc)
                     T.reduce_sum(hd_f, hrow_f, dim=1)
-                    T.reduce_sum(hrow_f, one_f, dim=0)
-                    sc_s[0] = one_f[0] * T.exp2(glast_g * LOG2E)
+                    T.reduce_sum(hrow_f, s_ds_f, dim=0)
+                    sc_s[0] = s_ds_f[0] * T.exp2(glast_g * LOG2E)
                     T.gemm(vn_s, dh_s, tmp_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(ds_free)
                     for i, d in T.Parallel(C, K):
@@ -357,10 +365,10 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         acc_f[i, d] = acc_f[i, d] + tmp_f[i, d]
                     for i, d in T.Parallel(C, K):
                         tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
-                    T.reduce_sum(tmp_f, row_f, dim=1)
-                    T.copy(row_f, r_s[7, :])
-                    T.reduce_sum(row_f, one_f, dim=0)
-                    sc_s[1] = one_f[0]
+                    T.reduce_sum(tmp_f, vn_term_f, dim=1)
+                    T.copy(vn_term_f, r_s[7, :])
+                    T.reduce_sum(vn_term_f, vn_total_f, dim=0)
+                    sc_s[1] = vn_total_f[0]
                     # X k + X^T k = (X + X^T) k (x_s and the dG / dbeta sums from the state warpgroup)
                     T.barrier_wait(x_ready, ph)
                     T.gemm(x_s, k_s, acc_f)
@@ -374,8 +382,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         acc_f[i, d] = acc_f[i, d] + tmp_f[i, d]
                     for i, d in T.Parallel(C, K):
                         tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
-                    T.reduce_sum(tmp_f, row_f, dim=1)
-                    T.copy(row_f, r_s[6, :])
+                    T.reduce_sum(tmp_f, te_term_f, dim=1)
+                    T.copy(te_term_f, r_s[6, :])
                     for i, d in T.Parallel(C, K):
                         if i < L:
                             dk_part[0, t0 + i, bhv, d] = acc_f[i, d]
@@ -392,10 +400,10 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         cc_f[i, j] = dg_s[j]
                     for i, j in T.Parallel(C, C):
                         cc_f[i, j] = T.if_then_else(j >= i, cc_f[i, j], T.float32(0))
-                    T.reduce_sum(cc_f, row_f, dim=1)
+                    T.reduce_sum(cc_f, dg_f, dim=1)
                     for i in T.Parallel(C):
                         if i < L:
-                            dg[0, t0 + i, bhv] = row_f[i]
+                            dg[0, t0 + i, bhv] = dg_f[i]
                             db[0, t0 + i, bhv] = T.if_then_else(
                                 b_s[s, i] != T.float32(0), (r_s[1, i] + r_s[0, i]) / b_s[s, i], T.float32(0)
                             )

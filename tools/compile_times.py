@@ -1,0 +1,99 @@
+"""Where a cold start's compile time goes: for each kernel of one fwd+bwd of our GatedDeltaNet at a
+shape of benchmarks/bench_layer.py, the seconds TileLang's lowering takes (its slowest passes
+named) and the seconds of the rest of the build (CUDA code generation, nvcc, the host wrapper),
+on this machine: no GPU needed, nvcc is.
+
+    python tools/compile_times.py [--shape qwen3_next_1x32k] [--passes 3] [--out DIR]
+
+Kernels compile one after another into a fresh TileLang cache, so each time is one core's; the
+first call of a new head configuration compiles them in parallel (`runtime.compile_plan`), so
+its wall time is about the slowest kernel's. Prints a JSON line per kernel and writes
+compile_times.json into --out when given.
+"""
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+class PassClock:
+    """Seconds per TVM pass while active, and the seconds of the outermost pass calls (nested
+    passes counted once)."""
+
+    def __init__(self):
+        self.by_pass = collections.Counter()
+        self.outermost = 0.0
+        self._depth = 0
+
+    def __enter__(self):
+        from tilelang import tvm
+
+        self._transform = tvm.ir.transform
+        self._call = self._transform.Pass.__call__
+        clock = self
+
+        def timed(pass_, mod):
+            clock._depth += 1
+            start = time.perf_counter()
+            try:
+                return clock._call(pass_, mod)
+            finally:
+                spent = time.perf_counter() - start
+                clock._depth -= 1
+                clock.by_pass[pass_.info.name] += spent
+                if clock._depth == 0:
+                    clock.outermost += spent
+
+        self._transform.Pass.__call__ = timed
+        return self
+
+    def __exit__(self, *exc):
+        self._transform.Pass.__call__ = self._call
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3_next_1x32k", help="a shape of benchmarks/bench_layer.py")
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--passes", type=int, default=3, help="slowest lowering passes listed per kernel")
+    ap.add_argument("--out", help="folder for compile_times.json")
+    args = ap.parse_args()
+    os.environ["TILELANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="compile_times_")  # before tilelang is imported
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import tilelang
+    import tilelang.cuda.target as cuda_target
+
+    cuda_target._detect_torch_cuda_arch = lambda: args.arch  # what target="cuda" resolves to on the device
+    from precompile_cache import layer_shape_specs
+
+    from flash_qla_cp.kernels.runtime import default_pass_configs
+
+    rows = []
+    for spec in layer_shape_specs([args.shape]):
+        with PassClock() as clock:
+            start = time.perf_counter()
+            tilelang.compile(spec.build(), target="cuda", pass_configs=default_pass_configs())
+            total = time.perf_counter() - start
+        row = {"kernel": spec.factory.__name__, "params": dict(spec.kwargs), "total_s": round(total, 1),
+               "lowering_s": round(clock.outermost, 1), "rest_s": round(total - clock.outermost, 1),
+               "slowest_passes": {n: round(s, 1) for n, s in clock.by_pass.most_common(args.passes)}}
+        print(json.dumps({k: v for k, v in row.items() if k != "params"}), flush=True)
+        rows.append(row)
+    summary = {"shape": args.shape, "arch": args.arch, "kernels": len(rows),
+               "sum_s": round(sum(r["total_s"] for r in rows), 1), "slowest_s": max(r["total_s"] for r in rows)}
+    print(json.dumps(summary))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "compile_times.json"), "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
