@@ -98,24 +98,40 @@ def test_launcher_calls_the_compiled_module_entry_once_looked_up():
 class _FakeKernel:
     adapter = None
 
+    def __init__(self, func=None):
+        self.func = func
 
-def test_a_plan_compiles_all_its_kernels_at_once_on_first_use(monkeypatch, tmp_path):
-    """compile_plan: one parallel compile of every kernel the plan names, then nothing."""
+
+class _FakePrimFunc:
+    """A stand-in for a kernel's PrimFunc: its script's length is the spec's name's."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def script(self):
+        return self.name
+
+
+def test_a_plan_compiles_all_its_kernels_at_once_longest_first_on_first_use(monkeypatch, tmp_path):
+    """compile_plan: one parallel compile of every kernel the plan names, the longest scripts
+    handed to the pool first (each launcher still its own spec's), then nothing."""
     tilelang = pytest.importorskip("tilelang")
     from flash_qla_cp.kernels.backward import plan_backward
 
     monkeypatch.setattr(tilelang.env, "TILELANG_CACHE_DIR", str(tmp_path))
     batches = []
-    monkeypatch.setattr(tilelang, "par_compile", lambda funcs, **kw: batches.append(len(funcs)) or
-                        [_FakeKernel() for _ in funcs])
-    monkeypatch.setattr(KernelSpec, "build", lambda self: self.name)  # no lowering needed here
+    monkeypatch.setattr(tilelang, "par_compile", lambda funcs, **kw: batches.append([f.name for f in funcs]) or
+                        [_FakeKernel(f) for f in funcs])
+    monkeypatch.setattr(KernelSpec, "build", lambda self: _FakePrimFunc(self.name))  # no lowering needed here
     monkeypatch.setattr(runtime, "_launchers", {})
     monkeypatch.setattr(runtime, "_ready_plans", set())
     plan = plan_backward(2, 4, 128, 128, "bfloat16", 0.1, True, True, 1, 132)
     runtime.compile_plan(plan)
     runtime.compile_plan(plan)
-    assert batches == [len(plan.specs())] and len(plan.specs()) >= 3
-    assert all(spec in runtime._launchers for spec in plan.specs())
+    names = [spec.name for spec in plan.specs()]
+    assert len(batches) == 1 and sorted(batches[0]) == sorted(names) and len(names) >= 3
+    assert [len(n) for n in batches[0]] == sorted((len(n) for n in names), reverse=True)
+    assert all(runtime._launchers[spec].kernel.func.name == spec.name for spec in plan.specs())
     assert (tmp_path / "flash_qla_cp.lock").exists()
 
 
