@@ -45,13 +45,15 @@ class GDNContext:
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_v_first=False, backend="auto",
                                intra_cp="off", cu_seqlens_cpu=None, save_states=False,
-                               kernel_options: KernelOptions | None = None):
+                               kernel_options: KernelOptions | None = None, compile_with=()):
     """Forward only (no autograd graph). Returns (o, final_state or None, ctx).
 
     intra_cp ('off', 'auto' or an int P) cuts long sequences into partitions inside the
     TileLang kernels (`kernels/split.py`); the torch backend ignores it here.
     save_states: the TileLang forward keeps every chunk's entering state in ctx for `_bwd`
     (see `chunk_gated_delta_rule`); leave it False when no backward follows.
+    compile_with: kernel plans the TileLang forward compiles with its own on first use (the
+    fused layer's steps: one round of compilation instead of two).
     """
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     check_intra_cp(intra_cp)
@@ -69,7 +71,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                 qn, kn, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first=state_v_first,
                 intra_cp=intra_cp, cu_seqlens_host=cu_seqlens_cpu, save_states=save_states, options=options,
                 backward_plan=_training_backward_plan(q, v, scale, initial_state, options)
-                if save_states and not output_final_state else None,
+                if save_states and not output_final_state else None, compile_with=compile_with,
             )
         else:
             o, final_state = chunk_gated_delta_rule_torch(

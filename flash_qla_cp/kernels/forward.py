@@ -153,14 +153,15 @@ def run_prepare(spec: KernelSpec, k, g, beta, cu_seqlens=None, chunk_tab=None):
 
 def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
                      state_v_first=False, intra_cp="off", cu_seqlens_host=None, save_states=False,
-                     options: KernelOptions = DEFAULT_OPTIONS, backward_plan=None):
+                     options: KernelOptions = DEFAULT_OPTIONS, backward_plan=None, compile_with=()):
     """Chunked GDN forward on Hopper. q, k [B, T, H, K] bf16 / fp16; v [B, T, HV, V] of the same
     dtype; g, beta [B, T, HV]; states fp32 [N, HV, K, V] ([N, HV, V, K] with state_v_first);
     cu_seqlens [N + 1] int32 with B == 1 for packed input. intra_cp: 'off', 'auto' or an int P
     (`kernels/split.py`); cu_seqlens_host (list or CPU tensor) spares reading cu_seqlens back
     from the GPU when splitting. backward_plan(walks, split_seqs, states_saved), when given,
     names the backward plan that will follow: on first use its kernels compile together with the
-    forward's. Returns (o [B, T, HV, V], final state fp32 or None, ForwardSaved)."""
+    forward's, and so do those of the plans in `compile_with` (e.g. the fused layer's steps).
+    Returns (o [B, T, HV, V], final state fp32 or None, ForwardSaved)."""
     B, Tn, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     q, k, v = kernel_operand(q), kernel_operand(k), kernel_operand(v)
@@ -192,9 +193,9 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
     kernels = plan_forward(H, HV, K, V, q.dtype, float(scale), varlen, use_h0, output_final_state, state_v_first,
                          plan.num_parts if plan else N, sms, N if plan else 0, save_states, options)
     store_states = kernels.fused.kwargs.get("store_states", False)
-    companions = ()
+    companions = tuple(compile_with)
     if backward_plan is not None:
-        companions = (backward_plan(plan.num_parts if plan else N, N if plan else 0, store_states),)
+        companions += (backward_plan(plan.num_parts if plan else N, N if plan else 0, store_states),)
     runtime.compile_plan(kernels, *companions)  # first use: every kernel of the call at once, in parallel
     g_cum, ag, chunk_tab = run_prepare(kernels.prepare, k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
     saved = ForwardSaved(g_cum, ag, chunk_tab, seq_offsets)

@@ -1,8 +1,9 @@
 """Host side of the layer's Hopper kernels around the op (`hopper/layer_inputs*.py`,
 `hopper/gated_norm*.py`): a plan (forward and backward kernel) per step and configuration, and the
 four steps with the signatures of their torch forms in `reference/layer_steps.py` (the fused layer,
-`modules/fused_mixer.py`, calls either set the same way). A step's first call compiles its forward
-and backward kernels together.
+`modules/fused_mixer.py`, calls either set the same way). The fused layer compiles both steps'
+kernels with the op's on its first call (`layer_plans`); a step compiles the kernel it launches
+on first use where nothing compiled it ahead.
 """
 
 from __future__ import annotations
@@ -57,15 +58,16 @@ def plan_gated_norm(layout, dtype: str, eps: float) -> StepPlan:
                     KernelSpec.of(build_gated_norm_bwd_kernel, **params))
 
 
+def layer_plans(layout, conv_size: int, dtype, allow_neg_eigval: bool, norm_eps: float) -> tuple:
+    """Both steps' plans: what a layer's first call compiles together, with the op's kernels where
+    it can (`modules/fused_mixer.py`), or on their own (`compile_layer`)."""
+    return (plan_layer_inputs(layout, conv_size, tl_dtype(dtype), bool(allow_neg_eigval)),
+            plan_gated_norm(layout, tl_dtype(dtype), norm_eps))
+
+
 def compile_layer(layout, conv_size: int, dtype, allow_neg_eigval: bool, norm_eps: float) -> None:
-    """Both steps' kernels (forward and backward) compiled together, on the layer's first call."""
-    runtime.compile_plan(plan_layer_inputs(layout, conv_size, tl_dtype(dtype), bool(allow_neg_eigval)),
-                         plan_gated_norm(layout, tl_dtype(dtype), norm_eps))
-
-
-def _ready(plan: StepPlan) -> StepPlan:
-    runtime.compile_plan(plan)
-    return plan
+    """Both steps' kernels (forward and backward) compiled together."""
+    runtime.compile_plan(*layer_plans(layout, conv_size, dtype, allow_neg_eigval, norm_eps))
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +75,8 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _inputs_plan(P, layout, conv_weight, allow_neg_eigval):
-    return _ready(plan_layer_inputs(layout, conv_weight.shape[-1], tl_dtype(P.dtype), bool(allow_neg_eigval)))
+    """(A step compiles the kernel it launches on first use, unless its plan was compiled ahead.)"""
+    return plan_layer_inputs(layout, conv_weight.shape[-1], tl_dtype(P.dtype), bool(allow_neg_eigval))
 
 
 def _history(P, conv_weight, history):
@@ -142,7 +145,7 @@ def _history_grad(dy_head, weight, positions):
 
 def gated_norm_forward(o, P, layout, weight, eps, block_tokens=NORM_BLOCK_TOKENS):
     """As `reference.layer_steps.gated_norm_forward`."""
-    plan = _ready(plan_gated_norm(layout, tl_dtype(P.dtype), eps))
+    plan = plan_gated_norm(layout, tl_dtype(P.dtype), eps)
     y = torch.empty_like(o)
     runtime.compile_kernel(_sized(plan.forward, block_tokens, NORM_BLOCK_TOKENS))(
         kernel_operand(o.to(P.dtype)), kernel_operand(P), _fp32(weight), y)
@@ -151,7 +154,7 @@ def gated_norm_forward(o, P, layout, weight, eps, block_tokens=NORM_BLOCK_TOKENS
 
 def gated_norm_backward(dy, o, P, layout, weight, eps, block_tokens=NORM_BLOCK_TOKENS):
     """As `reference.layer_steps.gated_norm_backward`."""
-    plan = _ready(plan_gated_norm(layout, tl_dtype(P.dtype), eps))
+    plan = plan_gated_norm(layout, tl_dtype(P.dtype), eps)
     NT = o.shape[0]
     do = torch.empty_like(o)
     dz = torch.empty(o.shape, dtype=P.dtype, device=P.device)

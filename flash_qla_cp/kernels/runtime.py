@@ -186,10 +186,11 @@ def compile_plan(plan, *companions) -> None:
     on its first use, in parallel, instead of one after another as the launches reach them, with
     those of `companions` (plans the call will use next, e.g. the backward after a training
     forward); after that a set lookup per call."""
-    if plan not in _ready_plans:
-        specs = [s for p in (plan, *companions) for s in p.specs()]
+    todo = [p for p in (plan, *companions) if p not in _ready_plans]
+    if todo:
+        specs = [s for p in todo for s in p.specs()]
         precompile(specs, num_workers=max(1, min(len(specs), os.cpu_count() or 1)))
-        _ready_plans.update((plan, *companions))
+        _ready_plans.update(todo)
 
 
 def kernel_operand(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import layer as kernel_steps
 from ..parallel.conv_halo import return_halo_grad, send_halo
 from ..parallel.context import CPError
 from ..reference.layer_steps import layout_columns
@@ -33,6 +34,8 @@ class LayerInputs(torch.autograd.Function):
         conv_cols = layout_columns(lay, "conv", P.device)
         halo = send_halo(rows[B * T - W :, conv_cols][None], cp_context)[0]  # [W, C]
         steps = _steps(config, conv_weight.shape[-1])
+        if steps is kernel_steps:  # both steps' kernels at once, on the first call
+            kernel_steps.compile_layer(lay, conv_weight.shape[-1], P.dtype, config.allow_neg_eigval, config.norm_eps)
         q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
                                                    config.allow_neg_eigval, history=halo)
         z = rows[:, layout_columns(lay, "z", P.device)]

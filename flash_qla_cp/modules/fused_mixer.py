@@ -72,8 +72,12 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     B, T, width = P.shape
     lay = config.layout
     steps = _steps(config, conv_weight.shape[-1])
+    # on the first call the op compiles the steps' kernels with its own (one round: the inputs
+    # step's forward kernel, which runs before the op, compiles on its own ahead of it)
+    step_plans = ()
     if steps is kernel_steps:
-        kernel_steps.compile_layer(lay, conv_weight.shape[-1], P.dtype, config.allow_neg_eigval, config.norm_eps)
+        step_plans = kernel_steps.layer_plans(lay, conv_weight.shape[-1], P.dtype, config.allow_neg_eigval,
+                                              config.norm_eps)
     rows = P.view(B * T, width)
     positions = token_positions(B, T, cu_seqlens, P.device)
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
@@ -82,7 +86,8 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
         q.view(B, T, lay.num_heads, -1), k.view(B, T, lay.num_heads, -1), v.view(B, T, lay.num_v_heads, -1),
         g.view(B, T, -1), beta.view(B, T, -1), scale=config.scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp,
-        save_states=config.save_states, kernel_options=config.kernel_options, cu_seqlens_cpu=cu_seqlens_cpu)
+        save_states=config.save_states, kernel_options=config.kernel_options, cu_seqlens_cpu=cu_seqlens_cpu,
+        compile_with=step_plans)
     y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
     # the op's inputs are recomputed from P in the backward (identical values), not kept
     gdn = replace(gdn, q=None, k=None, v=None, g=None, beta=None, initial_state=None)

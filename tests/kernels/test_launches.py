@@ -521,9 +521,12 @@ def test_gpu_cp_case_host_path_runs_and_matches_its_kernels(intra_cp, exact):
 
 @pytest.mark.parametrize("lengths", [(40000, 25536), (4096, 1, 300)], ids=["split", "unsplit"])
 def test_fused_layer_compiles_only_kernels_it_launches(lengths):
-    """A training step of the fused layer compiles its kernels in rounds ahead of their launches
-    (the layer's, then the op's forward with the backward it predicts): every kernel compiled is
-    launched in that step, so no round spends minutes on a kernel the step does not use."""
+    """A training step of the fused layer compiles its kernels in one round ahead of their launches
+    (the op's forward with the backward it predicts and both layer steps; only the inputs step's
+    forward kernel, which runs before the op, compiles on its own first): every kernel compiled
+    is launched in that step, so no round spends minutes on a kernel the step does not use."""
+    from flash_qla_cp.kernels.layer import StepPlan
+
     from flash_qla_cp import GatedDeltaNet
 
     m = GatedDeltaNet(256, 2, 4, 128, 128, intra_cp="auto").to(torch.bfloat16)
@@ -534,6 +537,15 @@ def test_fused_layer_compiles_only_kernels_it_launches(lengths):
     launched = {spec for spec, _ in launches.calls}
     compiled = {spec for plans in launches.plans for plan in plans for spec in plan.specs()}
     assert compiled and compiled <= launched, sorted(s.name for s in compiled - launched)
+    ready, rounds = set(), []  # the compile_plan calls that would compile something (runtime's rule)
+    for plans in launches.plans:
+        if any(p not in ready for p in plans):
+            rounds.append(plans)
+            ready.update(plans)
+    assert len(rounds) == 1 and sum(isinstance(p, StepPlan) for p in rounds[0]) == 2
+    step_kernels = {spec for p in rounds[0] if isinstance(p, StepPlan) for spec in p.specs()}
+    assert {s.name for s in step_kernels} == {"build_layer_inputs_kernel", "build_layer_inputs_bwd_kernel",
+                                              "build_gated_norm_kernel", "build_gated_norm_bwd_kernel"}
 
 
 def test_fused_layer_under_a_cp_context_launches_match_their_kernels():
