@@ -4,11 +4,14 @@ named) and the seconds of the rest of the build (CUDA code generation, nvcc, the
 on this machine: no GPU needed, nvcc is.
 
     python tools/compile_times.py [--shape qwen3_next_1x32k] [--passes 3] [--out DIR]
+    python tools/compile_times.py --first-call [--shape qwen3_next_1x32k]
 
 Kernels compile one after another into a fresh TileLang cache, so each time is one core's; the
 first call of a new head configuration compiles them in parallel (`runtime.compile_plan`), so
 its wall time is about the slowest kernel's. Prints a JSON line per kernel and writes
-compile_times.json into --out when given.
+compile_times.json into --out when given. --first-call instead runs that first fwd+bwd as the
+layer does (its rounds of parallel compilation into a fresh cache, on this machine's cores), the
+launches skipped, and prints each round's kernels and seconds.
 """
 
 import argparse
@@ -57,16 +60,59 @@ class PassClock:
         self._transform.Pass.__call__ = self._call
 
 
+def first_call(shape_name):
+    """The first fwd+bwd of our GatedDeltaNet at a bench_layer shape with every kernel compiled
+    for real and no launch run (CPU tensors, matmuls skipped): (seconds, [(kernels, seconds)]
+    per round of compilation)."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+    from bench_layer import SHAPES, call, make_layer
+    from precompile_cache import MatmulsSkipped, recording
+
+    from flash_qla_cp.kernels import runtime
+    from flash_qla_cp.testing import random_cu_seqlens
+
+    rounds = []
+    build = runtime.precompile
+
+    def timed(specs, num_workers=8):
+        start = time.perf_counter()
+        built = build(specs, num_workers)
+        if built:
+            rounds.append((built, round(time.perf_counter() - start, 1)))
+        return built
+
+    hidden, H, HV, D, B, T, lengths = SHAPES[shape_name]
+    compiling = {"compile_kernel": runtime.compile_kernel, "compile_plan": runtime.compile_plan, "precompile": timed}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(recording(132))  # the TileLang backend chosen; the compiles are put back below
+        for name, value in compiling.items():
+            stack.enter_context(mock.patch.object(runtime, name, value))
+        stack.enter_context(mock.patch.object(runtime.DirectLaunch, "__call__", lambda self, *args: None))
+        layer = make_layer("ours", hidden, H, HV, D, torch.device("cpu"), torch.bfloat16)
+        cu = random_cu_seqlens(lengths) if lengths else None
+        x = torch.zeros(1 if cu is not None else B, sum(lengths) if cu is not None else T, hidden,
+                        dtype=torch.bfloat16, requires_grad=True)
+        start = time.perf_counter()
+        with MatmulsSkipped():
+            call(layer, "ours", x, cu).float().sum().backward()
+        return round(time.perf_counter() - start, 1), rounds
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3_next_1x32k", help="a shape of benchmarks/bench_layer.py")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--passes", type=int, default=3, help="slowest lowering passes listed per kernel")
     ap.add_argument("--out", help="folder for compile_times.json")
+    ap.add_argument("--first-call", action="store_true", help="time the layer's first fwd+bwd (see above)")
     args = ap.parse_args()
     os.environ["TILELANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="compile_times_")  # before tilelang is imported
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "tools"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import tilelang
     import tilelang.cuda.target as cuda_target
 
@@ -75,6 +121,11 @@ def main():
 
     from flash_qla_cp.kernels.runtime import default_pass_configs
 
+    if args.first_call:
+        seconds, rounds = first_call(args.shape)
+        print(json.dumps({"shape": args.shape, "cores": os.cpu_count(), "first_fwd_bwd_s": seconds,
+                          "rounds": [{"kernels": n, "s": s} for n, s in rounds]}))
+        return
     rows = []
     for spec in layer_shape_specs([args.shape]):
         with PassClock() as clock:
