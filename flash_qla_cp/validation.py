@@ -46,6 +46,10 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
             _fail(f"{name} must be [B, T, HV] = {(B, T, HV)}, got {tuple(t.shape)}")
 
     num_seqs = B
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "cpu" and q.device.type != "cpu":
+        # the kernels would read a host address
+        _fail(f"cu_seqlens is a CPU tensor but the inputs are on {q.device}: pass it on {q.device} "
+              "(its CPU copy may go in cu_seqlens_cpu as well)")
     if cu_seqlens is not None:
         host = cu_seqlens
         if cu_seqlens_cpu is not None:  # check the copy's values

@@ -272,6 +272,15 @@ def test_device_cu_seqlens_is_checked_on_its_host_copy():
         check_inputs(**x, cu_seqlens=on_device, cu_seqlens_cpu=torch.tensor([0, 17, 16], dtype=torch.int32))
 
 
+def test_host_cu_seqlens_with_device_inputs_rejected():
+    # the kernels would read a host address; a "meta" device stands in for the GPU here
+    from flash_qla_cp.validation import check_inputs
+
+    x = {n: t.to("meta") for n, t in _good().items()}
+    with pytest.raises(ValueError, match="cu_seqlens is a CPU tensor but the inputs are on meta"):
+        check_inputs(**x, cu_seqlens=torch.tensor([0, 5, 16], dtype=torch.int32))
+
+
 def test_float_cu_seqlens_rejected():
     with pytest.raises(ValueError, match="int32"):
         chunk_gated_delta_rule(**_good(), cu_seqlens=torch.tensor([0.0, 16.0]))

@@ -40,7 +40,7 @@ class HistoryRows:
             cu = torch.arange(batch + 1, device=device) * seq_len
             cu_cpu = torch.arange(batch + 1) * seq_len
         else:
-            cu, cu_cpu = cu_seqlens.to(torch.int64), cu_seqlens_cpu.to(torch.int64)
+            cu, cu_cpu = cu_seqlens.to(device=device, dtype=torch.int64), cu_seqlens_cpu.to(torch.int64)
         N, NT = cu_cpu.numel() - 1, int(cu_cpu[-1])
         lengths = cu[1:] - cu[:-1]
         ext_cu = cu + width * torch.arange(N + 1, device=device)
