@@ -4,12 +4,13 @@ torch conv, gates, a one-token recurrence and norm around the op), and FLA's `Ga
 default dispatch; under no_grad inputs of up to 64 tokens take its fused recurrent kernel), in one
 process on the same input, Qwen3-Next's layer dims unless told otherwise.
 
-    python benchmarks/bench_decode.py [--batches 1,8,64] [--prompt 2048] [--libs ours,ours_steps,fla]
+    python benchmarks/bench_decode.py [--batches 1,8,64] [--prompt 2048] [--libs ours,ours_steps,fla] [--graphs]
 
 For each batch size (sequences decoded together): the median ms of a prompt's prefill (--prompt
 tokens per sequence, the cache out) and of one decoding step (one token per sequence, the cache in
-and out), both under no_grad, and our fused output's relative error against the step path's over
-the prefill and a step. Writes bench_decode.json / .md into --out (default $OUT, else
+and out), both under no_grad, with --graphs also of the step replayed from a CUDA graph (no host
+launch cost; or why it cannot be captured), and our fused output's relative error against the
+step path's over the prefill and a step. Writes bench_decode.json / .md into --out (default $OUT, else
 benchmarks/results). `--device cpu --hidden 64 --heads 2 --v-heads 4 --head-dim 16 --batches 2
 --prompt 32 --libs ours,ours_steps` runs on a CPU (the torch backend) as a smoke test.
 """
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from bench_kernels import graphed  # noqa: E402
 from bench_layer import make_layer, median_ms, versions  # noqa: E402
 
 from flash_qla_cp.testing import rel_err  # noqa: E402
@@ -50,7 +52,7 @@ class OneLayerCache:
         return self.layers[layer_idx]
 
 
-def decode_row(lib, dims, batch, prompt_len, device, dtype):
+def decode_row(lib, dims, batch, prompt_len, device, dtype, graphs=False):
     hidden, H, HV, D = dims
     layer = make_layer(lib, hidden, H, HV, D, device, dtype).eval()
     gen = torch.Generator(device=device).manual_seed(1)
@@ -78,6 +80,12 @@ def decode_row(lib, dims, batch, prompt_len, device, dtype):
         row = {"prefill_ms": round(median_ms(prefill, device), 3)}
         # FLA's cache moves on with each step; ours hands a new cache back (the same step each time)
         row["step_ms"] = round(median_ms(lambda: step(cache), device), 3)
+        if graphs and device.type == "cuda":
+            replay = graphed(lambda: step(cache))
+            if isinstance(replay, str):
+                row["step_graph_error"] = replay
+            else:
+                row["step_graph_ms"] = round(median_ms(replay, device), 3)
         _, cache = prefill()
         after = step(cache)
     return row, torch.cat([out[:, -8:], after], dim=1).float()
@@ -92,10 +100,12 @@ def to_markdown(meta, rows):
              "prefill with the cache out, and one decoding step (a token per sequence, the cache in and out). "
              "`err vs steps`: our fused layer's output (the prompt's last 8 tokens and a step) against our step "
              "path's, relative L2.", "",
-             "| batch | lib | prefill ms | step ms | err vs steps | note |", "|---|---|---|---|---|---|"]
+             "| batch | lib | prefill ms | step ms | step ms, CUDA graph | err vs steps | note |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
+        note = (r.get("error", "") or r.get("step_graph_error", ""))[:120]
         lines.append(f"| {r['batch']} | {r['lib']} | {r.get('prefill_ms', '-')} | {r.get('step_ms', '-')} | "
-                     f"{r.get('err_vs_steps', '-')} | {r.get('error', '')[:120]} |")
+                     f"{r.get('step_graph_ms', '-')} | {r.get('err_vs_steps', '-')} | {note} |")
     return "\n".join(lines) + "\n"
 
 
@@ -108,6 +118,7 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--v-heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--graphs", action="store_true", help="also time the decoding step replayed from a CUDA graph")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -124,7 +135,7 @@ def main():
         for lib in args.libs.split(","):
             row = {"batch": batch, "lib": lib}
             try:
-                timing, outputs[lib] = decode_row(lib, dims, batch, args.prompt, device, dtype)
+                timing, outputs[lib] = decode_row(lib, dims, batch, args.prompt, device, dtype, args.graphs)
                 row.update(timing)
             except Exception as exc:  # noqa: BLE001 - a library that fails is reported, the rest still run
                 row["error"] = repr(exc)

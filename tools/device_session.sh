@@ -49,7 +49,7 @@ for phase in "$@"; do
     bench_layer) timeout "${BENCH_TIMEOUT:-540}" python benchmarks/bench_layer.py --out "$OUT/bench_layer_$GPU_TAG" \
                    ${LAYER_SHAPES:+--shapes "$LAYER_SHAPES"} ${LIBS:+--libs "$LIBS"} ${MERGE_ARG:-} ${BENCH_ARGS:-} 2>&1 \
                    | grep '^{' | cut -c1-400 ;;
-    decode) timeout "${BENCH_TIMEOUT:-300}" python benchmarks/bench_decode.py --out "$OUT/bench_decode_$GPU_TAG" \
+    decode) timeout "${BENCH_TIMEOUT:-300}" python benchmarks/bench_decode.py --graphs --out "$OUT/bench_decode_$GPU_TAG" \
               ${DECODE_ARGS:-} 2>&1 | grep '^{' | cut -c1-300 ;;
     tune_split) timeout "${BENCH_TIMEOUT:-420}" python tools/tune_split.py --out "$OUT/tune_split" \
                   ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} 2>&1 | grep '^{' | cut -c1-400 ;;
