@@ -18,13 +18,14 @@ A "group" is the r = HV / H value heads that read key head h (v head index h*r +
 
 Two paths. Training-style calls (dense or packed, no padding mask; eager or compiled), a prompt's
 prefill and decoding (a cache out without a backward: `fused_mixer_with_states`; single tokens on
-the TileLang backend) run fused: the projections as one matmul, then `fused_mixer` (conv, l2 norm
-and gates in one step, the op, the gated norm in another) and out_proj; a cache's conv state
-enters as rows in front of each sequence (`history_rows.py`); under context parallelism the two
-steps are autograd nodes around the CP op (`fused_cp_steps.py`, the conv halo exchanged inside).
-Padding masks, a cache out with a backward to come and single tokens on the torch backend take
-the step path: the projections split, `short_conv`, `_gates`, `_core`, the norm, each a torch op
-(under CP: `short_conv` exchanges the halo, `_core` takes `cp_context`).
+the TileLang backend) run fused: the projections into one row per token (`_projection_rows`),
+then `fused_mixer` (conv, l2 norm and gates in one step, the op, the gated norm in another) and
+out_proj; a cache's conv state enters as rows in front of each sequence (`history_rows.py`);
+under context parallelism the two steps are autograd nodes around the CP op (`fused_cp_steps.py`,
+the conv halo exchanged inside). Padding masks, a cache out with a backward to come and single
+tokens on the torch backend take the step path: the projections split, `short_conv`, `_gates`,
+`_core`, the norm, each a torch op (under CP: `short_conv` exchanges the halo, `_core` takes
+`cp_context`).
 """
 
 from __future__ import annotations
