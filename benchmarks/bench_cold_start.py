@@ -86,8 +86,19 @@ def main():
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return
+    import torch
+
+    versions = {"torch": torch.__version__}
+    try:
+        import tilelang
+
+        versions["tilelang"] = tilelang.__version__
+    except ImportError:
+        versions["tilelang"] = "not installed"
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {"command": " ".join(["python", "benchmarks/bench_cold_start.py", *sys.argv[1:]]),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "config": vars(args)}
+              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": gpu,
+              "cpu_cores": os.cpu_count(), "versions": versions, "config": vars(args)}
     with tempfile.TemporaryDirectory() as cache:
         result["cold"] = run_child(args, cache)
         print(json.dumps({"cold": result["cold"]}), flush=True)
@@ -101,7 +112,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_cold_start.json"), "w") as f:
         json.dump(result, f, indent=1)
-    lines = [f"# Cold start — {args.device}, {result['date']}", "", f"Command: `{result['command']}`", "",
+    lines = [f"# Cold start — {gpu} ({os.cpu_count()} CPU cores), {result['date']}", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), "", f"Command: `{result['command']}`", "",
              f"GatedDeltaNet (hidden {args.hidden}, H {args.heads}, HV {args.v_heads}, head dim {args.head_dim}), "
              f"1 x {args.tokens} tokens, first fwd+bwd of a fresh process:", "",
              "| cache | first call s | steady ms |", "|---|---|---|"]
