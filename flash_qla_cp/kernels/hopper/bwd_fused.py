@@ -153,7 +153,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             hrow_f = T.alloc_fragment((RS,), acc)
             # one fragment per reduction result: a fragment shared by several reductions joins
             # their loops into one layout-inference component, which TileLang searches root by
-            # root (lowering took ~30 s longer; the generated code is the same)
+            # root (tens of seconds of lowering for the same generated code)
             pmqk_row_f = T.alloc_fragment((C,), acc)
             q_term_f = T.alloc_fragment((C,), acc)
             te_term_f = T.alloc_fragment((C,), acc)
