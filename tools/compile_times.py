@@ -67,12 +67,9 @@ def first_call(shape_name):
     import contextlib
     from unittest import mock
 
-    import torch
-    from bench_layer import SHAPES, call, make_layer
-    from precompile_cache import MatmulsSkipped, recording
+    from precompile_cache import layer_shape_step, recording
 
     from flash_qla_cp.kernels import runtime
-    from flash_qla_cp.testing import random_cu_seqlens
 
     rounds = []
     build = runtime.precompile
@@ -84,20 +81,15 @@ def first_call(shape_name):
             rounds.append((built, round(time.perf_counter() - start, 1)))
         return built
 
-    hidden, H, HV, D, B, T, lengths = SHAPES[shape_name]
     compiling = {"compile_kernel": runtime.compile_kernel, "compile_plan": runtime.compile_plan, "precompile": timed}
     with contextlib.ExitStack() as stack:
         stack.enter_context(recording(132))  # the TileLang backend chosen; the compiles are put back below
         for name, value in compiling.items():
             stack.enter_context(mock.patch.object(runtime, name, value))
         stack.enter_context(mock.patch.object(runtime.DirectLaunch, "__call__", lambda self, *args: None))
-        layer = make_layer("ours", hidden, H, HV, D, torch.device("cpu"), torch.bfloat16)
-        cu = random_cu_seqlens(lengths) if lengths else None
-        x = torch.zeros(1 if cu is not None else B, sum(lengths) if cu is not None else T, hidden,
-                        dtype=torch.bfloat16, requires_grad=True)
+        step = layer_shape_step(shape_name)
         start = time.perf_counter()
-        with MatmulsSkipped():
-            call(layer, "ours", x, cu).float().sum().backward()
+        step()
         return round(time.perf_counter() - start, 1), rounds
 
 

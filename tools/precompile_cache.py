@@ -130,24 +130,35 @@ class MatmulsSkipped(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def layer_shape_specs(names, sms=132):
-    """[KernelSpec] our GatedDeltaNet launches in one fwd+bwd of each named shape of
-    benchmarks/bench_layer.py (the fused layer's kernels and the op's, as the benchmark runs them)."""
+def layer_shape_step(name, lib="ours"):
+    """One fwd+bwd of our GatedDeltaNet (`lib` of benchmarks/bench_layer.py) on the named shape of
+    that benchmark, on CPU tensors with the matmuls skipped (the host path the benchmark runs),
+    as a callable: the layer and its input are built here, the step runs when called."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from bench_layer import SHAPES, call, make_layer
 
     from flash_qla_cp.testing import random_cu_seqlens
 
+    hidden, H, HV, D, B, T, lengths = SHAPES[name]
+    layer = make_layer(lib, hidden, H, HV, D, torch.device("cpu"), torch.bfloat16)
+    cu = random_cu_seqlens(lengths) if lengths else None
+    x = torch.zeros(1 if cu is not None else B, sum(lengths) if cu is not None else T, hidden,
+                    dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        with MatmulsSkipped():
+            call(layer, lib, x, cu).float().sum().backward()
+
+    return step
+
+
+def layer_shape_specs(names, sms=132):
+    """[KernelSpec] our GatedDeltaNet launches in one fwd+bwd of each named shape of
+    benchmarks/bench_layer.py (the fused layer's kernels and the op's, as the benchmark runs them)."""
     with recording(sms) as found:
         for name in names:
-            hidden, H, HV, D, B, T, lengths = SHAPES[name]
             for lib in ("ours", "ours_recompute"):
-                layer = make_layer(lib, hidden, H, HV, D, torch.device("cpu"), torch.bfloat16)
-                cu = random_cu_seqlens(lengths) if lengths else None
-                x = torch.zeros(1 if cu is not None else B, sum(lengths) if cu is not None else T, hidden,
-                                dtype=torch.bfloat16, requires_grad=True)
-                with MatmulsSkipped():
-                    call(layer, lib, x, cu).float().sum().backward()
+                layer_shape_step(name, lib)()
     return list(found)
 
 
