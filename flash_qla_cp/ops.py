@@ -40,12 +40,16 @@ class GDNContext:
     backend: str
     options: KernelOptions = DEFAULT_OPTIONS
     kernel_saved: object = None  # what the TileLang forward keeps for its backward (kernels.forward.ForwardSaved)
+    # the backward may return dq, dk as per-v-head parts [B, T, HV, K] (whose sums over each
+    # qk-head's v-heads are dq, dk) where the TileLang kernels write them so: for a caller that
+    # reads them summed (the fused layer's inputs kernel); never with use_qk_l2norm_in_kernel
+    v_head_parts: bool = False
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_v_first=False, backend="auto",
                                intra_cp="off", cu_seqlens_cpu=None, save_states=False,
-                               kernel_options: KernelOptions | None = None, compile_with=()):
+                               kernel_options: KernelOptions | None = None, compile_with=(), v_head_parts=False):
     """Forward only (no autograd graph). Returns (o, final_state or None, ctx).
 
     intra_cp ('off', 'auto' or an int P) cuts long sequences into partitions inside the
@@ -53,7 +57,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     save_states: the TileLang forward keeps every chunk's entering state in ctx for `_bwd`
     (see `chunk_gated_delta_rule`); leave it False when no backward follows.
     compile_with: kernel plans the TileLang forward compiles with its own on first use (the
-    fused layer's steps: one round of compilation instead of two).
+    fused layer's steps: one round of compilation instead of two), or a function of the backward
+    plan that will follow (None where the forward does not know it) returning them.
+    v_head_parts: see `GDNContext`.
     """
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     check_intra_cp(intra_cp)
@@ -63,14 +69,14 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
         scale = q.shape[-1] ** -0.5
     chosen = choose_backend(backend, q, v)
     ctx = GDNContext(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, state_v_first,
-                     chosen, options)
+                     chosen, options, v_head_parts=bool(v_head_parts) and not use_qk_l2norm_in_kernel)
     qn, kn = (l2norm(q), l2norm(k)) if use_qk_l2norm_in_kernel else (q, k)
     with torch.no_grad():
         if chosen == "tilelang":
             o, final_state, ctx.kernel_saved = tilelang_forward(
                 qn, kn, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first=state_v_first,
                 intra_cp=intra_cp, cu_seqlens_host=cu_seqlens_cpu, save_states=save_states, options=options,
-                backward_plan=_training_backward_plan(q, v, scale, initial_state, options)
+                backward_plan=_training_backward_plan(q, v, scale, initial_state, options, ctx.v_head_parts)
                 if save_states and not output_final_state else None, compile_with=compile_with,
             )
         else:
@@ -80,7 +86,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     return o, final_state, ctx
 
 
-def _training_backward_plan(q, v, scale, initial_state, options: KernelOptions):
+def _training_backward_plan(q, v, scale, initial_state, options: KernelOptions, v_head_parts: bool):
     """The plan the TileLang backward will choose after a forward that keeps its states for it
     and returns no final state (so no final-state gradient): `tilelang_forward` compiles it with
     its own on first use."""
@@ -90,7 +96,7 @@ def _training_backward_plan(q, v, scale, initial_state, options: KernelOptions):
 
     def plan(walks, split_seqs, states_saved):
         return plan_backward(H, HV, K, V, q.dtype, float(scale), initial_state is not None, False, walks,
-                             runtime.sm_count(q.device), split_seqs, states_saved, options)
+                             runtime.sm_count(q.device), split_seqs, states_saved, options, not v_head_parts)
 
     return plan
 
@@ -128,13 +134,14 @@ def _tilelang_bwd(do, dht, ctx: GDNContext):
     def backward(q, k):
         return tilelang_backward(do, dht, q.detach(), k.detach(), ctx.v, ctx.g, ctx.beta, ctx.scale,
                                  ctx.initial_state, ctx.cu_seqlens, ctx.kernel_saved, state_v_first=ctx.state_v_first,
-                                 options=ctx.options)
+                                 options=ctx.options, v_head_parts=ctx.v_head_parts)
 
     return _through_l2norm(ctx, backward)
 
 
 def chunk_gated_delta_rule_bwd(do, dht, ctx: GDNContext):
-    """Gradients (dq, dk, dv, dg, dbeta, dh0) given do and the final-state gradient dht (or None)."""
+    """Gradients (dq, dk, dv, dg, dbeta, dh0) given do and the final-state gradient dht (or None);
+    dq, dk as per-v-head parts where the forward was asked for them (`GDNContext.v_head_parts`)."""
     if ctx.backend == "tilelang" and ctx.options.tilelang_backward:
         return _tilelang_bwd(do, dht, ctx)
     return _torch_bwd(do, dht, ctx)

@@ -42,10 +42,16 @@ def layer_of(shape, device):
     return GatedDeltaNet(hidden, H, HV, D, D).to(device=device, dtype=torch.bfloat16)
 
 
+def grad_parts(lay):
+    """dq, dk parts the layer's backward hands the inputs step (GVA: one per v-head, as the fused
+    walk writes them)."""
+    return lay.num_v_heads // lay.num_heads
+
+
 def variant_specs(shape):
     """[KernelSpec] of every step at every block size for the layer of `shape` (bf16)."""
     lay = layer_of(shape, "cpu").projection_layout
-    inputs = steps.plan_layer_inputs(lay, 4, "bfloat16", False)
+    inputs = steps.plan_layer_inputs(lay, 4, "bfloat16", False, grad_parts(lay))
     norm = steps.plan_gated_norm(lay, "bfloat16", 1e-6)
     plans = {"inputs": inputs.forward, "inputs_bwd": inputs.backward, "norm": norm.forward, "norm_bwd": norm.backward}
     return [plans[step].replace(block_tokens=bt) for step, sizes in BLOCK_TOKENS.items() for bt in sizes]
@@ -66,7 +72,8 @@ def step_calls(shape, device):
 
     P = rand(NT, lay.width)
     H, HV, dk, dv = lay.num_heads, lay.num_v_heads, lay.head_k_dim, lay.head_v_dim
-    grads = (rand(NT, H, dk), rand(NT, H, dk), rand(NT, HV, dv), rand(NT, HV, dtype=torch.float32),
+    parts = H * grad_parts(lay)
+    grads = (rand(NT, parts, dk), rand(NT, parts, dk), rand(NT, HV, dv), rand(NT, HV, dtype=torch.float32),
              rand(NT, HV, dtype=torch.float32))
     o, dy = rand(NT, HV, dv), rand(NT, HV * dv)
     weights = (m.conv1d.weight, m.A_log, m.dt_bias)

@@ -50,7 +50,8 @@ class BackwardPlan:
     dh_walk: KernelSpec | None  # None with the fused walk
     fused_walk: KernelSpec | None
     grad: KernelSpec | None  # the grad kernel (K, V <= 128) or the V-sliced one; None with the fused walk
-    v_head_sum: KernelSpec | None  # GVA: dq / dk of kernels writing one part per v-head
+    v_head_parts: bool  # GVA: the kernels write dq / dk once per v-head (the fused walk, the V-sliced grad)
+    v_head_sum: KernelSpec | None  # sums those parts; None where the caller takes them as parts
 
     def specs(self) -> list:
         return [s for s in (self.h_walk, self.dh_warmup, self.exit_scan, self.dh_walk, self.fused_walk, self.grad,
@@ -84,10 +85,11 @@ def fused_walk_wanted(walks: int, K: int, V: int, sms: int, mode: str) -> bool:
 @functools.lru_cache(maxsize=1024)
 def plan_backward(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_initial_state: bool,
                   use_dht: bool, walks: int, sms: int, split_seqs: int = 0, states_saved: bool = False,
-                  options: KernelOptions = DEFAULT_OPTIONS) -> BackwardPlan:
+                  options: KernelOptions = DEFAULT_OPTIONS, sum_v_heads: bool = True) -> BackwardPlan:
     """The kernels of a backward call (cached). walks: sequences, or partitions when split;
     split_seqs: the number of sequences when the forward was split (0: not split);
-    states_saved: the forward kept the chunk states (no h walk)."""
+    states_saved: the forward kept the chunk states (no h walk); sum_v_heads: False where the
+    caller takes dq / dk as per-v-head parts when the kernels write them so."""
     dtype = tl_dtype(dtype)
     scale = float(scale)
     is_split = split_seqs > 0
@@ -119,11 +121,12 @@ def plan_backward(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use
         grad_factory = build_bwd_grad_wide_kernel if wide else build_bwd_grad_group_kernel
         grad = KernelSpec.of(grad_factory, **shape, scale=scale)
     # the fused walk and the wide grad kernel write dq / dk per v-head
+    v_head_parts = bool((fused or wide) and HV > H)
     v_head_sum = None
-    if (fused or wide) and HV > H:
+    if v_head_parts and sum_v_heads:
         v_head_sum = KernelSpec.of(build_v_head_sum_kernel, H=H, group=HV // H, K=K, dtype=dtype)
     prepare = KernelSpec.of(build_prepare_kernel, H=H, HV=HV, K=K, dtype=dtype, is_varlen=True)
-    return BackwardPlan(prepare, h_walk, dh_warmup, exit_scan, dh_walk, fused_walk, grad, v_head_sum)
+    return BackwardPlan(prepare, h_walk, dh_warmup, exit_scan, dh_walk, fused_walk, grad, v_head_parts, v_head_sum)
 
 
 def empty(*shape, dtype, device):
@@ -140,7 +143,7 @@ def _saved_tensor(t, shape):
 
 
 def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, saved: ForwardSaved | None,
-                      state_v_first=False, options: KernelOptions = DEFAULT_OPTIONS):
+                      state_v_first=False, options: KernelOptions = DEFAULT_OPTIONS, v_head_parts=False):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of the TileLang forward.
 
     do [B, T, HV, V]; dht fp32 final-state gradient or None; q, k [B, T, H, K] bf16 / fp16 (the
@@ -148,6 +151,9 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
     initial_state fp32 or None; cu_seqlens [N + 1] (B == 1) or None; saved: the forward's
     (None: G and Ag are recomputed). States [N, HV, K, V] ([N, HV, V, K] with state_v_first).
     Gradients have their inputs' dtypes (dh0 fp32; None without an initial state).
+    v_head_parts: where the kernels write dq and dk once per v-head (GVA), return those parts
+    [B, T, HV, K] unsummed (the fused layer's kernel sums them as it reads them; dq and dk are
+    then never allocated); else, and always where no parts are written, dq, dk [B, T, H, K].
     """
     B, Tn, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -200,7 +206,8 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
     vres = _saved_tensor(saved.vres, (1, Ttot, HV, V)) if saved is not None else None
     states_saved = h_st is not None and vres is not None and h_st.dtype == dt and vres.dtype == dt
     plan = plan_backward(H, HV, K, V, dt, float(scale), user_h0, use_dht, N, sms,
-                         len(split_saved.first_parts) if split_saved is not None else 0, states_saved, options)
+                         len(split_saved.first_parts) if split_saved is not None else 0, states_saved, options,
+                         not v_head_parts)
     runtime.compile_plan(plan)  # first use: every kernel of the call at once, in parallel
 
     gcum = _saved_tensor(saved.g_cumsum, (1, Ttot, HV)) if saved is not None else None
@@ -225,8 +232,8 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
     use_h0 = user_h0 or split_saved is not None
     dv = empty(1, Ttot, HV, V, dtype=dt, device=dev)
     dh0 = empty(N if use_h0 else 1, *sdims, dtype=torch.float32, device=dev)
-    dq = empty(1, Ttot, H, K, dtype=dt, device=dev)
-    dk = empty(1, Ttot, H, K, dtype=dt, device=dev)
+    # dq / dk are allocated where they are written (after the fused walk: not held through it)
+    dq = dk = None
     dg = empty(1, Ttot, HV, dtype=torch.float32, device=dev)
     db = empty(1, Ttot, HV, dtype=torch.float32, device=dev)
 
@@ -248,21 +255,23 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
                                                    split_saved.dh_walk_chunks)
             exit_grad = split.scan_partitions(plan.exit_scan, split_saved.M.transpose(-1, -2), dh0,
                                               split_saved.seq_parts, dhtf if use_dht else None)
+        parts = HV if plan.v_head_parts else H
+        dq_part, dk_part = (empty(1, Ttot, parts, K, dtype=dt, device=dev) for _ in range(2))
         if plan.fused_walk is not None:
-            dq_part, dk_part = _v_head_parts(dq, dk, HV)
             runtime.compile_kernel(plan.fused_walk)(qf, kf, dof, vres, ag, gcum, b32, h_st, *walk_args, exit_grad,
                                                     dq_part, dk_part, dv, dg, db, dh0)
-            _sum_v_heads(plan.v_head_sum, dq_part, dk_part, dq, dk)
         else:
             runtime.compile_kernel(plan.dh_walk)(qf, kf, dof, ag, gcum, *walk_args, exit_grad, dh_st, dvn, dv, dh0)
-            dq_part, dk_part = _v_head_parts(dq, dk, HV) if plan.v_head_sum is not None else (dq, dk)
             runtime.compile_kernel(plan.grad)(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq_part,
                                               dk_part, dg, db)
-            _sum_v_heads(plan.v_head_sum, dq_part, dk_part, dq, dk)
+        dq, dk = dq_part, dk_part
+        if plan.v_head_sum is not None:
+            dq, dk = _sum_v_heads(plan.v_head_sum, dq_part, dk_part, H)
         if split_saved is not None and user_h0:
             dh0 = dh0.index_select(0, split_saved.first_parts)
     else:
-        for t in (dq, dk, dv, dg, db):
+        dq, dk = (torch.zeros(1, Ttot, H, K, dtype=dt, device=dev) for _ in range(2))
+        for t in (dv, dg, db):
             t.zero_()
         if use_h0:
             dh0.copy_(dhtf if use_dht else torch.zeros_like(dh0))
@@ -272,27 +281,18 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
     dg = torch.where(flat(g, HV) < KERNEL_GATE_FLOOR, 0.0, dg)
     dg, db = as_dtype(dg, g.dtype), as_dtype(db, beta.dtype)
     if B > 1:
-        dq, dk, dv = dq.reshape(B, Tn, H, K), dk.reshape(B, Tn, H, K), dv.reshape(B, Tn, HV, V)
+        dq, dk, dv = dq.reshape(B, Tn, -1, K), dk.reshape(B, Tn, -1, K), dv.reshape(B, Tn, HV, V)
         dg, db = dg.reshape(B, Tn, HV), db.reshape(B, Tn, HV)
     dh0 = state_kv_layout(dh0, state_v_first) if user_h0 else None
     return dq, dk, dv, dg, db, dh0
 
 
-def _v_head_parts(dq, dk, HV):
-    """Where a kernel that writes dq / dk per v-head puts them: dq and dk themselves when every
-    qk-head has one v-head, else [1, T, HV, K] buffers for `_sum_v_heads`."""
-    _, Ttot, H, K = dq.shape
-    if HV == H:
-        return dq, dk
-    return (empty(1, Ttot, HV, K, dtype=dq.dtype, device=dq.device) for _ in range(2))
-
-
-def _sum_v_heads(spec, dq_part, dk_part, dq, dk):
-    """dq / dk [1, T, H, K] = the sums of per-v-head parts [1, T, HV, K] over each qk-head's
-    v-heads (`hopper/v_head_sum.py`); nothing to do when the parts are dq and dk themselves."""
-    if spec is None:
-        return
-    _, Ttot, H, K = dq.shape
-    group = dq_part.shape[2] // H
+def _sum_v_heads(spec, dq_part, dk_part, H):
+    """dq, dk [1, T, H, K]: the sums of per-v-head parts [1, T, HV, K] over each qk-head's v-heads
+    (`hopper/v_head_sum.py`)."""
+    _, Ttot, HV, K = dq_part.shape
+    dq, dk = (empty(1, Ttot, H, K, dtype=dq_part.dtype, device=dq_part.device) for _ in range(2))
+    group = HV // H
     runtime.compile_kernel(spec)(dq_part.view(Ttot, H, group, K), dk_part.view(Ttot, H, group, K), dq.view(Ttot, H, K),
                                  dk.view(Ttot, H, K))
+    return dq, dk

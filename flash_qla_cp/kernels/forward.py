@@ -160,7 +160,8 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
     (`kernels/split.py`); cu_seqlens_host (list or CPU tensor) spares reading cu_seqlens back
     from the GPU when splitting. backward_plan(walks, split_seqs, states_saved), when given,
     names the backward plan that will follow: on first use its kernels compile together with the
-    forward's, and so do those of the plans in `compile_with` (e.g. the fused layer's steps).
+    forward's, and so do those of the plans in `compile_with` (e.g. the fused layer's steps; or a
+    function of that backward plan, None when not named, returning them).
     Returns (o [B, T, HV, V], final state fp32 or None, ForwardSaved)."""
     B, Tn, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -193,9 +194,10 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
     kernels = plan_forward(H, HV, K, V, q.dtype, float(scale), varlen, use_h0, output_final_state, state_v_first,
                          plan.num_parts if plan else N, sms, N if plan else 0, save_states, options)
     store_states = kernels.fused.kwargs.get("store_states", False)
-    companions = tuple(compile_with)
-    if backward_plan is not None:
-        companions += (backward_plan(plan.num_parts if plan else N, N if plan else 0, store_states),)
+    following = backward_plan(plan.num_parts if plan else N, N if plan else 0, store_states) if backward_plan else None
+    companions = tuple(compile_with(following) if callable(compile_with) else compile_with)
+    if following is not None:
+        companions += (following,)
     runtime.compile_plan(kernels, *companions)  # first use: every kernel of the call at once, in parallel
     g_cum, ag, chunk_tab = run_prepare(kernels.prepare, k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
     saved = ForwardSaved(g_cum, ag, chunk_tab, seq_offsets)

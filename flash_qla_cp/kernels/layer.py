@@ -39,14 +39,18 @@ class StepPlan:
 
 
 @functools.lru_cache(maxsize=None)
-def plan_layer_inputs(layout, conv_size: int, dtype: str, allow_neg_eigval: bool) -> StepPlan:
-    """conv + SiLU, l2 norm and gates for a projection layout (`reference.layer_steps.ProjectionLayout`)."""
+def plan_layer_inputs(layout, conv_size: int, dtype: str, allow_neg_eigval: bool, grad_parts: int = 1) -> StepPlan:
+    """conv + SiLU, l2 norm and gates for a projection layout (`reference.layer_steps.ProjectionLayout`).
+    grad_parts: how many per-v-head parts of dq and dk the backward kernel reads and sums (1: dq
+    and dk summed already; the qk-heads' group size where the op's backward leaves them as parts)."""
     lay = {f.name: getattr(layout, f.name) for f in fields(layout) if not f.name.startswith("z_")}
     params = dict(H=lay.pop("num_heads"), HV=lay.pop("num_v_heads"), dk=lay.pop("head_k_dim"),
                   dv=lay.pop("head_v_dim"), conv_size=conv_size, dtype=tl_dtype(dtype),
                   allow_neg_eigval=bool(allow_neg_eigval), **lay)
+    parts = dict(grad_parts=grad_parts) if grad_parts > 1 else {}
     return StepPlan(KernelSpec.of(build_layer_inputs_kernel, block_tokens=INPUTS_BLOCK_TOKENS, **params),
-                    KernelSpec.of(build_layer_inputs_bwd_kernel, block_tokens=INPUTS_BWD_BLOCK_TOKENS, **params))
+                    KernelSpec.of(build_layer_inputs_bwd_kernel, block_tokens=INPUTS_BWD_BLOCK_TOKENS, **params,
+                                  **parts))
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,10 +62,10 @@ def plan_gated_norm(layout, dtype: str, eps: float) -> StepPlan:
                     KernelSpec.of(build_gated_norm_bwd_kernel, **params))
 
 
-def layer_plans(layout, conv_size: int, dtype, allow_neg_eigval: bool, norm_eps: float) -> tuple:
+def layer_plans(layout, conv_size: int, dtype, allow_neg_eigval: bool, norm_eps: float, grad_parts: int = 1) -> tuple:
     """Both steps' plans: what a layer's first call compiles together, with the op's kernels where
     it can (`modules/fused_mixer.py`), or on their own (`compile_layer`)."""
-    return (plan_layer_inputs(layout, conv_size, tl_dtype(dtype), bool(allow_neg_eigval)),
+    return (plan_layer_inputs(layout, conv_size, tl_dtype(dtype), bool(allow_neg_eigval), grad_parts),
             plan_gated_norm(layout, tl_dtype(dtype), norm_eps))
 
 
@@ -74,9 +78,9 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return kernel_operand(t.float())
 
 
-def _inputs_plan(P, layout, conv_weight, allow_neg_eigval):
+def _inputs_plan(P, layout, conv_weight, allow_neg_eigval, grad_parts=1):
     """(A step compiles the kernel it launches on first use, unless its plan was compiled ahead.)"""
-    return plan_layer_inputs(layout, conv_weight.shape[-1], tl_dtype(P.dtype), bool(allow_neg_eigval))
+    return plan_layer_inputs(layout, conv_weight.shape[-1], tl_dtype(P.dtype), bool(allow_neg_eigval), grad_parts)
 
 
 def _history(P, conv_weight, history):
@@ -110,9 +114,13 @@ def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_n
 
 def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval,
                        dP, history=None, block_tokens=INPUTS_BWD_BLOCK_TOKENS):
-    """As `reference.layer_steps.op_inputs_backward`."""
-    plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval)
-    NT, HV = P.shape[0], layout.num_v_heads
+    """As `reference.layer_steps.op_inputs_backward` (dq, dk summed or as per-v-head parts, read
+    and summed by the kernel)."""
+    NT, H, HV = P.shape[0], layout.num_heads, layout.num_v_heads
+    parts = dq.shape[1] // H
+    plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval, parts)
+    if parts > 1:
+        dq, dk = dq.view(NT, H, parts, -1), dk.view(NT, H, parts, -1)
     C, K = conv_weight.shape[0], conv_weight.shape[-1]
     blocks = -(-NT // block_tokens)
     dweight_part = P.new_empty(blocks, C, K, dtype=torch.float32)

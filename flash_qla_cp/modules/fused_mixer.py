@@ -76,8 +76,14 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     # step's forward kernel, which runs before the op, compiles on its own ahead of it)
     step_plans = ()
     if steps is kernel_steps:
-        step_plans = kernel_steps.layer_plans(lay, conv_weight.shape[-1], P.dtype, config.allow_neg_eigval,
-                                              config.norm_eps)
+        def step_plans(backward_plan):
+            # the inputs step's backward reads dq, dk as the op's backward leaves them: per-v-head
+            # parts where its kernels write them so (GVA, the fused walk: assumed where the
+            # forward does not know the backward plan)
+            writes_parts = backward_plan is None or backward_plan.v_head_parts
+            parts = lay.num_v_heads // lay.num_heads if writes_parts else 1
+            return kernel_steps.layer_plans(lay, conv_weight.shape[-1], P.dtype, config.allow_neg_eigval,
+                                            config.norm_eps, parts)
     rows = P.view(B * T, width)
     positions = token_positions(B, T, cu_seqlens, P.device)
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
@@ -87,7 +93,7 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
         g.view(B, T, -1), beta.view(B, T, -1), scale=config.scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp,
         save_states=config.save_states, kernel_options=config.kernel_options, cu_seqlens_cpu=cu_seqlens_cpu,
-        compile_with=step_plans)
+        compile_with=step_plans, v_head_parts=True)
     y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
     # the op's inputs are recomputed from P in the backward (identical values), not kept
     gdn = replace(gdn, q=None, k=None, v=None, g=None, beta=None, initial_state=None)
@@ -108,6 +114,7 @@ def _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
     gdn = replace(gdn, q=q.view(B, T, lay.num_heads, -1), k=k.view(B, T, lay.num_heads, -1),
                   v=v.view(B, T, lay.num_v_heads, -1), g=g.view(B, T, -1), beta=beta.view(B, T, -1),
                   initial_state=initial_state)
+    # dq, dk may come as per-v-head parts (GDNContext.v_head_parts), summed by the inputs step
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.view(B, T, lay.num_v_heads, -1), None, gdn)
     del q, k, v, g, beta, gdn, do
     # dP (P's size) is allocated only now, after the op's backward and its buffers: holding it
@@ -116,7 +123,7 @@ def _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
     lay.z_block(dP).copy_(dz.view(B * T, lay.num_heads, -1))
     del dz
     dconv, dA_log, ddt_bias, _ = steps.op_inputs_backward(
-        dq.reshape(B * T, lay.num_heads, -1), dk.reshape(B * T, lay.num_heads, -1),
+        dq.reshape(B * T, -1, lay.head_k_dim), dk.reshape(B * T, -1, lay.head_k_dim),
         dv.reshape(B * T, lay.num_v_heads, -1), dg.reshape(B * T, -1), dbeta.reshape(B * T, -1), rows, lay,
         conv_weight, A_log, dt_bias, positions, config.allow_neg_eigval, dP)
     return dP.view(B, T, width), dconv, dA_log, ddt_bias, dnorm_weight, dh0
@@ -181,7 +188,7 @@ def mixer_bwd(dy: torch.Tensor, P: torch.Tensor, conv_weight: torch.Tensor, A_lo
     B, T, _ = P.shape
     # nothing kept from the forward: the op's backward recomputes its chunk states
     gdn = GDNContext(None, None, None, None, None, None, cu_seqlens, scale, False, False, config.backend,
-                     DEFAULT_OPTIONS)
+                     DEFAULT_OPTIONS, v_head_parts=True)
     grads = _backward(dy.contiguous(), P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
                       token_positions(B, T, cu_seqlens, P.device), gdn, config)
     dh0 = grads[-1]

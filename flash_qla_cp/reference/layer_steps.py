@@ -235,9 +235,11 @@ def _beta_scale(allow_neg_eigval) -> float:
 def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout: ProjectionLayout, conv_weight, A_log, dt_bias, positions,
                        allow_neg_eigval, dP, history=None):
     """Gradients of `op_inputs_forward`: writes the q, k, v, b, a columns of dP [NT, width] (P's
-    dtype) and returns (d conv_weight, d A_log, d dt_bias, d history or None) in the inputs' dtypes."""
+    dtype) and returns (d conv_weight, d A_log, d dt_bias, d history or None) in the inputs' dtypes.
+    dq, dk [NT, H, dk], or [NT, HV, dk]: per-v-head parts, summed over each qk-head's v-heads."""
     dtype = compute_dtype(P)
-    NT = P.shape[0]
+    NT, H = P.shape[0], layout.num_heads
+    dq, dk = (d.reshape(NT, H, -1, d.shape[-1]).to(dtype).sum(2) for d in (dq, dk))
     cols, x, pos, w = _conv_inputs(P, layout, conv_weight, positions, history, dtype)
     W = x.shape[0] - NT  # history rows in front
     y = _conv(x, w, pos)[W:]

@@ -563,3 +563,24 @@ def test_fused_layer_under_a_cp_context_launches_match_their_kernels():
     assert names[0] == "build_layer_inputs_kernel" and names[-1] == "build_layer_inputs_bwd_kernel"
     assert names.index("build_gated_norm_kernel") < names.index("build_gated_norm_bwd_kernel")
     assert_launches_match_signatures(launches)
+
+
+@pytest.mark.parametrize("lengths", [(40000, 25536), (4096, 1, 300)], ids=["fused_walk", "grad_kernel"])
+def test_fused_layer_sums_dq_dk_parts_in_its_inputs_kernel(lengths):
+    """GVA: where the op's backward writes dq, dk once per v-head (the fused walk), the fused
+    layer's inputs kernel reads those parts and sums them (no v-head sum launch, no summed dq / dk
+    buffers); where the grad kernel writes them summed, it reads them so."""
+    from flash_qla_cp import GatedDeltaNet
+
+    m = GatedDeltaNet(256, 2, 4, 128, 128, intra_cp="auto").to(torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    x = torch.zeros(1, sum(lengths), 256, dtype=torch.bfloat16, requires_grad=True)
+    with tilelang_chosen("ops", "modules.fused_mixer", "modules.gated_deltanet"):
+        _, launches, _ = run_recorded(lambda: m(x, cu_seqlens=cu).float().sum().backward())
+    names = launches.names()
+    fused_walk = "build_bwd_fused_ws_kernel" in names
+    assert fused_walk == (lengths[0] == 40000)
+    assert "build_v_head_sum_kernel" not in names
+    inputs_bwd = [spec for spec, _ in launches.calls if spec.name == "build_layer_inputs_bwd_kernel"]
+    assert [s.kwargs.get("grad_parts", 1) for s in inputs_bwd] == [2 if fused_walk else 1]
+    assert_launches_match_signatures(launches)

@@ -92,6 +92,32 @@ def test_layout_matches_the_layer_parameters(proj_layout):
     assert rel_err(P[:, lay.b_columns()], b[0]) < 1e-14 and rel_err(P[:, lay.a_columns()], a[0]) < 1e-14
 
 
+@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5"])
+def test_inputs_step_backward_takes_dq_dk_as_per_v_head_parts(layout):
+    """The op's backward may leave dq, dk as per-v-head parts [NT, HV, dk] (GVA): the inputs step's
+    backward sums each qk-head's parts, the same gradients as from dq, dk summed."""
+    from flash_qla_cp.reference import layer_steps
+
+    m = _layer(layout, False)
+    lay = m.projection_layout
+    NT, H, HV = 37, lay.num_heads, lay.num_v_heads
+    gen = torch.Generator().manual_seed(1)
+    P = torch.randn(NT, lay.width, dtype=torch.float64, generator=gen)
+    dq_parts, dk_parts = (torch.randn(NT, HV, lay.head_k_dim, dtype=torch.float64, generator=gen) for _ in range(2))
+    rest = [torch.randn(NT, HV, lay.head_v_dim, dtype=torch.float64, generator=gen),
+            *(torch.randn(NT, HV, dtype=torch.float64, generator=gen) for _ in range(2))]
+    positions = token_positions(1, NT, torch.tensor([0, 20, NT]), P.device)
+    weights = (m.conv1d.weight, m.A_log, m.dt_bias)
+    results = []
+    for dq, dk in ((dq_parts, dk_parts), (dq_parts.view(NT, H, -1, lay.head_k_dim).sum(2),
+                                          dk_parts.view(NT, H, -1, lay.head_k_dim).sum(2))):
+        dP = torch.zeros_like(P)
+        grads = layer_steps.op_inputs_backward(dq, dk, *rest, P, lay, *weights, positions, False, dP)
+        results.append((dP, *grads[:3]))
+    for got, want in zip(*results):
+        assert rel_err(got, want) < 1e-13
+
+
 def test_token_positions():
     assert token_positions(2, 3, None, "cpu").tolist() == [0, 1, 2, 0, 1, 2]
     cu = random_cu_seqlens([2, 0, 1, 3])

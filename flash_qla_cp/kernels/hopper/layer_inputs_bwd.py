@@ -21,10 +21,11 @@ LOOKAHEAD = 16  # tokens after a block's outputs whose dy the transposed conv re
 def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_offset: int, q_head_stride: int,
                                   k_offset: int, k_head_stride: int, v_offset: int, v_head_stride: int, b_offset: int,
                                   b_head_stride: int, a_offset: int, a_head_stride: int, conv_size: int, dtype: str,
-                                  allow_neg_eigval: bool, block_tokens: int = 48):
+                                  allow_neg_eigval: bool, block_tokens: int = 48, grad_parts: int = 1):
     """PrimFunc `gdn_layer_inputs_bwd(P, history, weight, positions, A_log, dt_bias, grad_q, grad_k, grad_v, dg,
     dbeta, dP, dweight_part, da_tokens, dA_log_tokens, dy_head)`: inputs as `build_layer_inputs_kernel` plus the
-    gradients grad_q, grad_k [NT, H, dk], grad_v [NT, HV, dv] (dtype), dg, dbeta [NT, HV] fp32; writes the
+    gradients grad_q, grad_k [NT, H, dk] (with grad_parts > 1: [NT, H, grad_parts, dk], the op's
+    per-v-head parts, summed here), grad_v [NT, HV, dv] (dtype), dg, dbeta [NT, HV] fp32; writes the
     q, k, v, b, a columns of dP [NT, width] (dtype), dweight_part [blocks, C, conv_size] and, per
     token, the terms of the dt_bias and A_log gradients, da_tokens and dA_log_tokens [NT, HV], and
     dy_head [conv_size - 1, C] (fp32). Grid (blocks = ceil(NT / block_tokens),
@@ -43,9 +44,12 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
     NT = T.dynamic("num_tokens")
     NB = T.dynamic("num_blocks")
     load_window, conv = conv_macros(T, NT, conv_size, acc)
+    assert grad_parts == 1 or grad_parts == r, (grad_parts, r)
+    qk_parts = grad_parts if grad_parts > 1 else 0  # (0: grad_q, grad_k without a parts dim)
+    qk_grad_shape = (NT, H, grad_parts, dk) if qk_parts else (NT, H, dk)
 
     @T.macro
-    def conv_grad(P, history, weight, positions, grad, head, t0, bt, col, chan, D, normalise, dP, dweight_part,
+    def conv_grad(P, history, weight, positions, grad, parts, head, t0, bt, col, chan, D, normalise, dP, dweight_part,
                   dy_head, x_s, w_s, m_s, n_s, dy_s, y_f, dn_f, red_f, rs_f, dot_f, out_f, col_f):
         # the conv's inputs for tokens t0 - W .. t0 + E - 1 (clamped rows are masked)
         load_window(P, history, weight, positions, t0, col, chan, D, E, x_s, w_s, m_s)
@@ -55,8 +59,18 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
                 and (positions[T.min(t0 + i + W - j, NT - 1)] == positions[T.min(t0 + i, NT - 1)] + (W - j)),
                 T.float32(1), T.float32(0))
         conv(x_s, w_s, m_s, y_f, E, D)
-        for e, d in T.Parallel(E, D):
-            dn_f[e, d] = T.if_then_else(t0 + e < NT, T.cast(grad[T.min(t0 + e, NT - 1), head, d], acc), T.float32(0))
+        if parts == 0:  # grad [NT, heads, D]
+            for e, d in T.Parallel(E, D):
+                dn_f[e, d] = T.if_then_else(t0 + e < NT, T.cast(grad[T.min(t0 + e, NT - 1), head, d], acc),
+                                            T.float32(0))
+        else:  # grad [NT, heads, parts, D]: the op's per-v-head parts, summed here in fp32
+            for e, d in T.Parallel(E, D):
+                dn_f[e, d] = T.if_then_else(t0 + e < NT, T.cast(grad[T.min(t0 + e, NT - 1), head, 0, d], acc),
+                                            T.float32(0))
+            for j in range(1, parts):  # (unrolled as the kernel is traced)
+                for e, d in T.Parallel(E, D):
+                    dn_f[e, d] += T.if_then_else(t0 + e < NT, T.cast(grad[T.min(t0 + e, NT - 1), head, j, d], acc),
+                                                 T.float32(0))
         if normalise:  # dn_f becomes the gradient of silu's output s through the l2 norm
             # (s = silu(y) is recomputed where used: one fragment fewer keeps two blocks per SM)
             for e, d in T.Parallel(E, D):
@@ -99,8 +113,8 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
         positions: T.Tensor((NT,), "int32"),
         A_log: T.Tensor((HV,), acc),
         dt_bias: T.Tensor((HV,), acc),
-        grad_q: T.Tensor((NT, H, dk), dtype),
-        grad_k: T.Tensor((NT, H, dk), dtype),
+        grad_q: T.Tensor(qk_grad_shape, dtype),
+        grad_k: T.Tensor(qk_grad_shape, dtype),
         grad_v: T.Tensor((NT, HV, dv), dtype),
         dg: T.Tensor((NT, HV), acc),
         dbeta: T.Tensor((NT, HV), acc),
@@ -135,19 +149,19 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
                 outv_f = T.alloc_fragment((BT, dv), acc)
                 colv_f = T.alloc_fragment((dv,), acc)
             if slot < H:
-                conv_grad(P, history, weight, positions, grad_q, slot, t0, bt, q_offset + slot * q_head_stride, slot * dk, dk, True,
-                          dP, dweight_part, dy_head, xk_s, wk_s, m_s, n_s, dyk_s, yk_f, dnk_f, redk_f, rs_f, dot_f,
-                          outk_f, colk_f)
+                conv_grad(P, history, weight, positions, grad_q, qk_parts, slot, t0, bt,
+                          q_offset + slot * q_head_stride, slot * dk, dk, True, dP, dweight_part, dy_head,
+                          xk_s, wk_s, m_s, n_s, dyk_s, yk_f, dnk_f, redk_f, rs_f, dot_f, outk_f, colk_f)
             elif slot < 2 * H:
                 h = slot - H
-                conv_grad(P, history, weight, positions, grad_k, h, t0, bt, k_offset + h * k_head_stride, H * dk + h * dk, dk,
-                          True, dP, dweight_part, dy_head, xk_s, wk_s, m_s, n_s, dyk_s, yk_f, dnk_f, redk_f, rs_f, dot_f,
-                          outk_f, colk_f)
+                conv_grad(P, history, weight, positions, grad_k, qk_parts, h, t0, bt,
+                          k_offset + h * k_head_stride, H * dk + h * dk, dk, True, dP, dweight_part, dy_head,
+                          xk_s, wk_s, m_s, n_s, dyk_s, yk_f, dnk_f, redk_f, rs_f, dot_f, outk_f, colk_f)
             else:
                 hv = slot - 2 * H
                 h = hv // r
                 j = hv % r
-                conv_grad(P, history, weight, positions, grad_v, hv, t0, bt, v_offset + h * v_head_stride + j * dv,
+                conv_grad(P, history, weight, positions, grad_v, 0, hv, t0, bt, v_offset + h * v_head_stride + j * dv,
                           2 * H * dk + hv * dv, dv, False, dP, dweight_part, dy_head, xv_s, wv_s, m_s, n_s, dyv_s, yv_f,
                           dnv_f, None, None, None, outv_f, colv_f)
                 # gates: g = -exp(A_log) softplus(pre), pre = a + dt_bias; beta = beta_scale sigmoid(b)
