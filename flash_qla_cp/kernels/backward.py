@@ -147,7 +147,8 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of the TileLang forward.
 
     do [B, T, HV, V]; dht fp32 final-state gradient or None; q, k [B, T, H, K] bf16 / fp16 (the
-    normalised ones if the forward normalised them); v [B, T, HV, V]; g, beta [B, T, HV];
+    normalised ones if the forward normalised them); v [B, T, HV, V] (None where `saved` holds the
+    chunk states: then no kernel reads it); g, beta [B, T, HV];
     initial_state fp32 or None; cu_seqlens [N + 1] (B == 1) or None; saved: the forward's
     (None: G and Ag are recomputed). States [N, HV, K, V] ([N, HV, V, K] with state_v_first).
     Gradients have their inputs' dtypes (dh0 fp32; None without an initial state).
@@ -156,7 +157,7 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
     then never allocated); else, and always where no parts are written, dq, dk [B, T, H, K].
     """
     B, Tn, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    HV, V = do.shape[2], do.shape[3]
     dev, dt = q.device, q.dtype
     Ttot = B * Tn
     sms = runtime.sm_count(dev)
@@ -175,7 +176,6 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
         return kernel_operand(x.reshape(1, Ttot, *tail) if B > 1 else x)
 
     qf, kf = flat(q, H, K), flat(k, H, K)
-    vf = flat(v, HV, V)
     dof = flat(as_dtype(do, dt), HV, V)
     b32 = flat(as_dtype(beta, torch.float32), HV)
 
@@ -205,6 +205,8 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
     h_st = _saved_tensor(saved.h_states, (NC, *sdims)) if saved is not None else None
     vres = _saved_tensor(saved.vres, (1, Ttot, HV, V)) if saved is not None else None
     states_saved = h_st is not None and vres is not None and h_st.dtype == dt and vres.dtype == dt
+    if v is None and not states_saved:
+        raise ValueError("tilelang_backward: v is needed where the forward kept no chunk states")
     plan = plan_backward(H, HV, K, V, dt, float(scale), user_h0, use_dht, N, sms,
                          len(split_saved.first_parts) if split_saved is not None else 0, states_saved, options,
                          not v_head_parts)
@@ -245,7 +247,7 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
             else:
                 h0 = state_kv_layout(initial_state, state_v_first) if user_h0 else empty(
                     1, *sdims, dtype=torch.float32, device=dev)
-            runtime.compile_kernel(plan.h_walk)(kf, vf, ag, gcum, *walk_args, h0, h_st, vres)
+            runtime.compile_kernel(plan.h_walk)(kf, flat(v, HV, V), ag, gcum, *walk_args, h0, h_st, vres)
         exit_grad = dhtf
         if split_saved is not None:
             # the gradient reaching each partition's start from its own outputs: only its first

@@ -29,28 +29,35 @@ NORM_BLOCK_TOKENS = 32
 
 @dataclass(frozen=True)
 class StepPlan:
-    """A layer step's forward and backward kernel."""
+    """A layer step's forward and backward kernel, and the forward the backward re-runs where it
+    differs from the forward (the inputs step's without v, after an op that kept its states)."""
 
     forward: KernelSpec
     backward: KernelSpec
+    recompute: KernelSpec | None = None
 
     def specs(self) -> tuple:
-        return (self.forward, self.backward)
+        return (self.forward, self.backward) + ((self.recompute,) if self.recompute is not None else ())
 
 
 @functools.lru_cache(maxsize=None)
-def plan_layer_inputs(layout, conv_size: int, dtype: str, allow_neg_eigval: bool, grad_parts: int = 1) -> StepPlan:
+def plan_layer_inputs(layout, conv_size: int, dtype: str, allow_neg_eigval: bool, grad_parts: int = 1,
+                      recompute_without_v: bool = False) -> StepPlan:
     """conv + SiLU, l2 norm and gates for a projection layout (`reference.layer_steps.ProjectionLayout`).
     grad_parts: how many per-v-head parts of dq and dk the backward kernel reads and sums (1: dq
-    and dk summed already; the qk-heads' group size where the op's backward leaves them as parts)."""
+    and dk summed already; the qk-heads' group size where the op's backward leaves them as parts).
+    recompute_without_v: the backward re-forms q, k, g, beta only (the op kept its chunk states,
+    so its backward reads no v)."""
     lay = {f.name: getattr(layout, f.name) for f in fields(layout) if not f.name.startswith("z_")}
     params = dict(H=lay.pop("num_heads"), HV=lay.pop("num_v_heads"), dk=lay.pop("head_k_dim"),
                   dv=lay.pop("head_v_dim"), conv_size=conv_size, dtype=tl_dtype(dtype),
                   allow_neg_eigval=bool(allow_neg_eigval), **lay)
     parts = dict(grad_parts=grad_parts) if grad_parts > 1 else {}
-    return StepPlan(KernelSpec.of(build_layer_inputs_kernel, block_tokens=INPUTS_BLOCK_TOKENS, **params),
+    forward = KernelSpec.of(build_layer_inputs_kernel, block_tokens=INPUTS_BLOCK_TOKENS, **params)
+    return StepPlan(forward,
                     KernelSpec.of(build_layer_inputs_bwd_kernel, block_tokens=INPUTS_BWD_BLOCK_TOKENS, **params,
-                                  **parts))
+                                  **parts),
+                    forward.replace(with_v=False) if recompute_without_v else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,10 +69,12 @@ def plan_gated_norm(layout, dtype: str, eps: float) -> StepPlan:
                     KernelSpec.of(build_gated_norm_bwd_kernel, **params))
 
 
-def layer_plans(layout, conv_size: int, dtype, allow_neg_eigval: bool, norm_eps: float, grad_parts: int = 1) -> tuple:
+def layer_plans(layout, conv_size: int, dtype, allow_neg_eigval: bool, norm_eps: float, grad_parts: int = 1,
+                recompute_without_v: bool = False) -> tuple:
     """Both steps' plans: what a layer's first call compiles together, with the op's kernels where
     it can (`modules/fused_mixer.py`), or on their own (`compile_layer`)."""
-    return (plan_layer_inputs(layout, conv_size, tl_dtype(dtype), bool(allow_neg_eigval), grad_parts),
+    return (plan_layer_inputs(layout, conv_size, tl_dtype(dtype), bool(allow_neg_eigval), grad_parts,
+                              recompute_without_v),
             plan_gated_norm(layout, tl_dtype(dtype), norm_eps))
 
 
@@ -96,20 +105,21 @@ def _sized(spec: KernelSpec, block_tokens: int, default: int) -> KernelSpec:
 
 
 def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False, history=None,
-                      block_tokens=INPUTS_BLOCK_TOKENS):
+                      block_tokens=INPUTS_BLOCK_TOKENS, with_v=True):
     """As `reference.layer_steps.op_inputs_forward` (P [NT, width] bf16 / fp16)."""
     plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval)
+    spec = plan.forward if with_v else plan.forward.replace(with_v=False)
     NT, H, HV = P.shape[0], layout.num_heads, layout.num_v_heads
     q = P.new_empty(NT, H, layout.head_k_dim)
     k = P.new_empty(NT, H, layout.head_k_dim)
-    v = P.new_empty(NT, HV, layout.head_v_dim)
+    v = P.new_empty(NT if with_v else 1, HV, layout.head_v_dim)  # (without v: a placeholder, not written)
     g = P.new_empty(NT, HV, dtype=torch.float32)
     beta = P.new_empty(NT, HV, dtype=torch.float32)
-    runtime.compile_kernel(_sized(plan.forward, block_tokens, INPUTS_BLOCK_TOKENS))(
+    runtime.compile_kernel(_sized(spec, block_tokens, INPUTS_BLOCK_TOKENS))(
         kernel_operand(P), _history(P, conv_weight, history), _fp32(conv_weight.reshape(conv_weight.shape[0], -1)),
         kernel_operand(positions),
         _fp32(A_log), _fp32(dt_bias), q, k, v, g, beta)
-    return q, k, v, g, beta
+    return q, k, v if with_v else None, g, beta
 
 
 def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval,

@@ -9,8 +9,10 @@ where the projection wrote them (`ProjectionLayout`), so nothing is split, conca
 between the projection and the kernels; the backward writes every column of one dP (the z columns
 by one strided copy of dz, so that dP need not be held through the op's backward).
 
-Memory: the node keeps P, o and the parameters; the backward recomputes q, k, v, g, beta from P
-(one pass over P) instead of holding them from the forward.
+Memory: the node keeps P, o and the parameters; the backward recomputes q, k, g, beta (and v,
+unless the op kept its chunk states: its backward then reads no v) from P instead of holding them
+from the forward; it takes dq, dk as the op's backward leaves them (per-v-head parts under GVA),
+summed by the inputs step's kernel.
 
 Steps: the Hopper kernels (`kernels/layer.py`) on the TileLang backend, their torch forms
 (`reference/layer_steps.py`) on the torch backend or where the kernels do not reach (a conv wider
@@ -82,8 +84,10 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
             # forward does not know the backward plan)
             writes_parts = backward_plan is None or backward_plan.v_head_parts
             parts = lay.num_v_heads // lay.num_heads if writes_parts else 1
+            # after a forward that keeps its chunk states the backward re-forms the op's inputs without v
+            states_kept = backward_plan is not None and backward_plan.h_walk is None
             return kernel_steps.layer_plans(lay, conv_weight.shape[-1], P.dtype, config.allow_neg_eigval,
-                                            config.norm_eps, parts)
+                                            config.norm_eps, parts, states_kept)
     rows = P.view(B * T, width)
     positions = token_positions(B, T, cu_seqlens, P.device)
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
@@ -109,11 +113,13 @@ def _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
     rows = P.view(B * T, width)
     do, dz, dnorm_weight = steps.gated_norm_backward(dy.reshape(B * T, -1), o.view(B * T, lay.num_v_heads, -1), rows,
                                                      lay, norm_weight, config.norm_eps)
+    # an op that kept its chunk states reads no v in its TileLang backward: v is not re-formed
+    with_v = getattr(gdn.kernel_saved, "h_states", None) is None or not gdn.options.tilelang_backward
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
-                                               config.allow_neg_eigval)
+                                               config.allow_neg_eigval, with_v=with_v)
     gdn = replace(gdn, q=q.view(B, T, lay.num_heads, -1), k=k.view(B, T, lay.num_heads, -1),
-                  v=v.view(B, T, lay.num_v_heads, -1), g=g.view(B, T, -1), beta=beta.view(B, T, -1),
-                  initial_state=initial_state)
+                  v=v.view(B, T, lay.num_v_heads, -1) if with_v else None, g=g.view(B, T, -1),
+                  beta=beta.view(B, T, -1), initial_state=initial_state)
     # dq, dk may come as per-v-head parts (GDNContext.v_head_parts), summed by the inputs step
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.view(B, T, lay.num_v_heads, -1), None, gdn)
     del q, k, v, g, beta, gdn, do

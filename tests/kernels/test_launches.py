@@ -565,14 +565,16 @@ def test_fused_layer_under_a_cp_context_launches_match_their_kernels():
     assert_launches_match_signatures(launches)
 
 
+@pytest.mark.parametrize("save_states", [True, False])
 @pytest.mark.parametrize("lengths", [(40000, 25536), (4096, 1, 300)], ids=["fused_walk", "grad_kernel"])
-def test_fused_layer_sums_dq_dk_parts_in_its_inputs_kernel(lengths):
+def test_fused_layer_backward_reads_what_the_op_leaves(lengths, save_states):
     """GVA: where the op's backward writes dq, dk once per v-head (the fused walk), the fused
     layer's inputs kernel reads those parts and sums them (no v-head sum launch, no summed dq / dk
-    buffers); where the grad kernel writes them summed, it reads them so."""
+    buffers); where the grad kernel writes them summed, it reads them so. The backward re-forms
+    the op's inputs without v where the op kept its chunk states (its backward runs no h walk)."""
     from flash_qla_cp import GatedDeltaNet
 
-    m = GatedDeltaNet(256, 2, 4, 128, 128, intra_cp="auto").to(torch.bfloat16)
+    m = GatedDeltaNet(256, 2, 4, 128, 128, intra_cp="auto", save_states=save_states).to(torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     x = torch.zeros(1, sum(lengths), 256, dtype=torch.bfloat16, requires_grad=True)
     with tilelang_chosen("ops", "modules.fused_mixer", "modules.gated_deltanet"):
@@ -583,4 +585,8 @@ def test_fused_layer_sums_dq_dk_parts_in_its_inputs_kernel(lengths):
     assert "build_v_head_sum_kernel" not in names
     inputs_bwd = [spec for spec, _ in launches.calls if spec.name == "build_layer_inputs_bwd_kernel"]
     assert [s.kwargs.get("grad_parts", 1) for s in inputs_bwd] == [2 if fused_walk else 1]
+    h_walk = any(n in names for n in ("build_bwd_h_kernel", "build_bwd_h_ws_kernel"))
+    assert h_walk == (not save_states)
+    inputs = [spec for spec, _ in launches.calls if spec.name == "build_layer_inputs_kernel"]
+    assert [s.kwargs.get("with_v", True) for s in inputs] == [True, h_walk]
     assert_launches_match_signatures(launches)
