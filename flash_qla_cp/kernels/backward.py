@@ -291,10 +291,9 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
 
 def _sum_v_heads(spec, dq_part, dk_part, H):
     """dq, dk [1, T, H, K]: the sums of per-v-head parts [1, T, HV, K] over each qk-head's v-heads
-    (`hopper/v_head_sum.py`)."""
+    (`hopper/v_head_sum.py`), formed in place of each group's first part and returned as views of
+    the parts (strided: a token's row of H x K elements is every group-th K elements)."""
     _, Ttot, HV, K = dq_part.shape
-    dq, dk = (empty(1, Ttot, H, K, dtype=dq_part.dtype, device=dq_part.device) for _ in range(2))
     group = HV // H
-    runtime.compile_kernel(spec)(dq_part.view(Ttot, H, group, K), dk_part.view(Ttot, H, group, K), dq.view(Ttot, H, K),
-                                 dk.view(Ttot, H, K))
-    return dq, dk
+    runtime.compile_kernel(spec)(dq_part.view(Ttot, H, group, K), dk_part.view(Ttot, H, group, K))
+    return (p.view(1, Ttot, H, group, K)[:, :, :, 0] for p in (dq_part, dk_part))

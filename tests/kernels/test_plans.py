@@ -1,6 +1,7 @@
 """Which kernels and tiles the forward and backward plans choose (CPU: choices only, nothing runs)."""
 
 import pytest
+import torch
 
 from flash_qla_cp import KernelOptions
 from flash_qla_cp.kernels.backward import fused_walk_wanted, plan_backward
@@ -106,3 +107,28 @@ def test_options_reject_unknown_values():
 ])
 def test_partition_scan_tile(V, num_seqs, HV, want):
     assert scan_block_v(V, num_seqs, HV, SMS) == want
+
+
+@pytest.mark.parametrize("H,group", [(2, 2), (3, 4)])
+def test_v_head_sums_are_views_of_the_parts_first_slots(H, group, monkeypatch):
+    """The v-head sum kernel writes each qk-head's sum over its v-heads into that group's first part
+    (its torch form stands in for the kernel here): dq, dk are strided views of the parts."""
+    from flash_qla_cp.kernels import backward, runtime
+    from flash_qla_cp.reference.kernel_steps import sum_v_head_parts
+
+    def in_place(spec):
+        def run(*parts):
+            for p in parts:
+                sums = torch.empty_like(p[:, :, 0])
+                sum_v_head_parts(p, sums)
+                p[:, :, 0] = sums
+        return run
+
+    monkeypatch.setattr(runtime, "compile_kernel", in_place)
+    T, K = 5, 8
+    parts = [torch.randn(1, T, H * group, K) for _ in range(2)]
+    want = [p.view(1, T, H, group, K).sum(3) for p in parts]
+    dq, dk = backward._sum_v_heads(None, *parts, H)
+    assert dq.shape == dk.shape == (1, T, H, K)
+    assert torch.allclose(dq, want[0]) and torch.allclose(dk, want[1])
+    assert dq.data_ptr() == parts[0].data_ptr() and dk.data_ptr() == parts[1].data_ptr()
