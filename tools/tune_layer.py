@@ -7,7 +7,7 @@ Steps: `inputs` (conv + SiLU, l2 norm and gates), `inputs_bwd`, `norm` (gated RM
 For each shape of benchmarks/bench_layer.py, each step and each block size in BLOCK_TOKENS: the
 kernel's time (do_bench median) on random inputs, after its outputs are checked against the
 default block size's (per-token outputs bit for bit, parameter gradients summed from per-block
-parts to 1e-5). One JSON line per setting; tune_layer.json under --out. With --kernel-log nothing
+parts to 1e-5; a mismatch is reported with the timing). One JSON line per setting; tune_layer.json under --out. With --kernel-log nothing
 runs: the variants' kernels are written as a kernel log for `tools/precompile_cache.py --log`.
 """
 
@@ -99,7 +99,8 @@ def check(step, got, want):
             if not err <= 1e-5:
                 return f"output {i}: relative error {err:.1e}"
         elif not torch.equal(a, b):
-            return f"output {i} differs"
+            err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+            return f"output {i} differs: relative error {err:.1e}"
     return None
 
 
@@ -124,9 +125,9 @@ def main(argv=None):
             want = [t.clone() for t in calls[step](DEFAULTS[step])]
             for bt in BLOCK_TOKENS[step]:
                 row = {"shape": shape, "step": step, "block_tokens": bt, "default": bt == DEFAULTS[step]}
+                # timed either way: a mismatch is a difference to look into before a size is adopted
                 row["mismatch"] = check(step, calls[step](bt), want)
-                if row["mismatch"] is None:
-                    row["ms"] = round(triton.testing.do_bench(lambda: calls[step](bt), return_mode="median"), 4)
+                row["ms"] = round(triton.testing.do_bench(lambda: calls[step](bt), return_mode="median"), 4)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     os.makedirs(args.out, exist_ok=True)

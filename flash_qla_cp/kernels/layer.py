@@ -23,7 +23,7 @@ from .runtime import KernelSpec, kernel_operand
 
 MAX_CONV_SIZE = WINDOW_ROWS  # the conv window a block keeps
 INPUTS_BLOCK_TOKENS = 64
-INPUTS_BWD_BLOCK_TOKENS = 48  # + 16 look-ahead tokens: 64-row tiles
+INPUTS_BWD_BLOCK_TOKENS = 32  # + 16 look-ahead tokens: 48-row tiles; two blocks per SM (127 registers)
 NORM_BLOCK_TOKENS = 32
 
 
