@@ -61,8 +61,10 @@ class HistoryRows:
         history = P.new_zeros(N * W, P.shape[-1])
         state = conv_state[..., conv_state.shape[-1] - W :].transpose(1, 2).reshape(N * W, C)
         history[:, layout_columns(layout, "conv", P.device)] = state.to(P.dtype)
-        history[:, layout_columns(layout, "a", P.device)] = float("-inf")
-        history[:, layout_columns(layout, "b", P.device)] = float("-inf")
+        # (index_fill_ takes the value as a scalar: an indexed assignment of a Python float would
+        # copy it to the device as a tensor, which a CUDA graph capture refuses)
+        for part in ("a", "b"):
+            history.index_fill_(1, layout_columns(layout, part, P.device), float("-inf"))
         return torch.cat([history, P.reshape(-1, P.shape[-1])])[self.source][None]
 
     def drop(self, y: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:

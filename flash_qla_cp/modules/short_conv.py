@@ -76,13 +76,19 @@ def causal_conv1d_varlen(
 
     # plain rows already saw zeros before their start; packed sequences and carried states need the fix
     if cu_seqlens is not None or conv_state is not None:
-        fix = (pos < W).nonzero().squeeze(1)
         offsets = torch.arange(-W, 1, device=x.device)  # window slot i reads position pos - W + i
-        idx = gather_index(seq[fix, None], pos[fix, None] + offsets[None, :])  # [F, K]
+        # a few tokens per sequence (decoding): every row is recomputed, so that no index depends
+        # on the values (a CUDA graph can capture the call); else only the rows that need it
+        every_row = B * T <= N * K
+        fix = None if every_row else (pos < W).nonzero().squeeze(1)
+        fseq, fpos = (seq, pos) if every_row else (seq[fix], pos[fix])
+        idx = gather_index(fseq[:, None], fpos[:, None] + offsets[None, :])  # [F, K]
         y_fix = torch.einsum("fkc,ck->fc", table[idx], weight2)
         if bias is not None:
             y_fix = y_fix + bias
-        y = y.reshape(B * T, C).index_put((fix,), y_fix).reshape(B, T, C)
+        y = y.reshape(B * T, C)
+        y = torch.where((pos < W)[:, None], y_fix, y) if every_row else y.index_put((fix,), y_fix)
+        y = y.reshape(B, T, C)
     if activation == "silu":
         y = F.silu(y)
     y = y.to(x.dtype)

@@ -590,3 +590,38 @@ def test_fused_layer_backward_reads_what_the_op_leaves(lengths, save_states):
     inputs = [spec for spec, _ in launches.calls if spec.name == "build_layer_inputs_kernel"]
     assert [s.kwargs.get("with_v", True) for s in inputs] == [True, h_walk]
     assert_launches_match_signatures(launches)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "steps"])
+def test_a_decoding_step_has_no_value_dependent_op_or_lifted_scalar(fused):
+    """What a CUDA graph capture refuses: no op whose output size depends on values (nonzero) and
+    no Python scalar lifted into a host tensor to be copied to the device (an indexed assignment of
+    a float), in a decoding step after warm-up, fused (TileLang host path) and step by step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flash_qla_cp import GatedDeltaNet
+
+    class Refused(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.nonzero.default, torch.ops.aten.lift_fresh.default):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    m = GatedDeltaNet(256, 2, 4, 64, 64).to(torch.bfloat16).eval()
+    if not fused:
+        m._fused_backend = lambda *args: None
+    launches = Launches()
+    with torch.no_grad(), tilelang_path(launches, ("ops", "modules.fused_mixer", "modules.gated_deltanet")):
+        _, cache = m(torch.zeros(3, 70, 256, dtype=torch.bfloat16), use_cache=True)
+        token = torch.zeros(3, 1, 256, dtype=torch.bfloat16)
+        m(token, cache=cache, use_cache=True)  # warm-up: builds the cached tables of this shape
+        launches.calls.clear()
+        refused = Refused()
+        with refused:
+            m(token, cache=cache, use_cache=True)
+    assert (len(launches.calls) > 0) == fused
+    assert refused.seen == []
