@@ -234,8 +234,6 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
     use_h0 = user_h0 or split_saved is not None
     dv = empty(1, Ttot, HV, V, dtype=dt, device=dev)
     dh0 = empty(N if use_h0 else 1, *sdims, dtype=torch.float32, device=dev)
-    # dq / dk are allocated where they are written (after the fused walk: not held through it)
-    dq = dk = None
     dg = empty(1, Ttot, HV, dtype=torch.float32, device=dev)
     db = empty(1, Ttot, HV, dtype=torch.float32, device=dev)
 
