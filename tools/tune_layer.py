@@ -74,10 +74,10 @@ def step_calls(shape, device):
     H, HV, dk, dv = lay.num_heads, lay.num_v_heads, lay.head_k_dim, lay.head_v_dim
     parts = H * grad_parts(lay)
     grads = (rand(NT, parts, dk), rand(NT, parts, dk), rand(NT, HV, dv), rand(NT, HV, dtype=torch.float32),
-             rand(NT, HV, dtype=torch.float32))
+             rand(NT, HV, dtype=torch.float32), rand(NT, HV, dv))  # dq, dk (parts), dv, dg, dbeta, dz
     o, dy = rand(NT, HV, dv), rand(NT, HV * dv)
     weights = (m.conv1d.weight, m.A_log, m.dt_bias)
-    dP = torch.zeros_like(P)  # the z columns stay as they are: compared too
+    dP = torch.zeros_like(P)  # every column written (z's from dz), all compared
 
     def inputs_bwd(bt):
         rest = steps.op_inputs_backward(*grads, P, lay, *weights, positions, False, dP, block_tokens=bt)

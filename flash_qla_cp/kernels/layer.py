@@ -56,7 +56,7 @@ def plan_layer_inputs(layout, conv_size: int, dtype: str, allow_neg_eigval: bool
     forward = KernelSpec.of(build_layer_inputs_kernel, block_tokens=INPUTS_BLOCK_TOKENS, **params)
     return StepPlan(forward,
                     KernelSpec.of(build_layer_inputs_bwd_kernel, block_tokens=INPUTS_BWD_BLOCK_TOKENS, **params,
-                                  **parts),
+                                  z_offset=layout.z_offset, z_head_stride=layout.z_head_stride, **parts),
                     forward.replace(with_v=False) if recompute_without_v else None)
 
 
@@ -122,7 +122,7 @@ def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_n
     return q, k, v if with_v else None, g, beta
 
 
-def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval,
+def op_inputs_backward(dq, dk, dv, dg, dbeta, dz, P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval,
                        dP, history=None, block_tokens=INPUTS_BWD_BLOCK_TOKENS):
     """As `reference.layer_steps.op_inputs_backward` (dq, dk summed or as per-v-head parts, read
     and summed by the kernel)."""
@@ -141,7 +141,8 @@ def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout, conv_weight, A_log, dt_
     runtime.compile_kernel(_sized(plan.backward, block_tokens, INPUTS_BWD_BLOCK_TOKENS))(
         kernel_operand(P), _history(P, conv_weight, history), weight, kernel_operand(positions), _fp32(A_log),
         _fp32(dt_bias), kernel_operand(dq.to(P.dtype)), kernel_operand(dk.to(P.dtype)), kernel_operand(dv.to(P.dtype)),
-        _fp32(dg), _fp32(dbeta), dP, dweight_part, da_tokens, dA_log_tokens, dy_head)
+        _fp32(dg), _fp32(dbeta), kernel_operand(dz.reshape(NT, HV, -1).to(P.dtype)), dP, dweight_part, da_tokens,
+        dA_log_tokens, dy_head)
     dweight = dweight_part.sum(0).reshape(conv_weight.shape).to(conv_weight.dtype)
     dhistory = _history_grad(dy_head, weight, positions).to(history.dtype) if history is not None else None
     return dweight, dA_log_tokens.sum(0).to(A_log.dtype), da_tokens.sum(0).to(dt_bias.dtype), dhistory

@@ -57,11 +57,10 @@ class LayerInputs(torch.autograd.Function):
                                    (dv, (NT, HV, lay.head_v_dim), P.dtype), (dg, (NT, HV), torch.float32),
                                    (dbeta, (NT, HV), torch.float32), (dz, (NT, HV * lay.head_v_dim), P.dtype)):
             grads.append(grad.reshape(shape) if grad is not None else torch.zeros(shape, dtype=dtype, device=P.device))
-        dP = torch.empty_like(rows)  # every column written: z's here, the others by the step
-        dP[:, layout_columns(lay, "z", P.device)] = grads[5].to(dP.dtype)
+        dP = torch.empty_like(rows)  # every column written by the step (z's from dz)
         steps = _steps(config, conv_weight.shape[-1])
         dconv, dA_log, ddt_bias, dhalo = steps.op_inputs_backward(
-            *grads[:5], rows, lay, conv_weight, A_log, dt_bias, positions, config.allow_neg_eigval, dP, history=halo)
+            *grads, rows, lay, conv_weight, A_log, dt_bias, positions, config.allow_neg_eigval, dP, history=halo)
         W = halo.shape[0]
         conv_cols = layout_columns(lay, "conv", P.device)
         tail_grad = return_halo_grad(dhalo[None], ctx.cp_context)[0]  # what the next rank's conv sent back

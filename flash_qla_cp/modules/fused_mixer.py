@@ -124,13 +124,12 @@ def _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.view(B, T, lay.num_v_heads, -1), None, gdn)
     del q, k, v, g, beta, gdn, do
     # dP (P's size) is allocated only now, after the op's backward and its buffers: holding it
-    # through them would set the layer's peak memory; dz (a third of it) waits instead
-    dP = torch.empty_like(rows)  # dz and the inputs' backward write every column
-    lay.z_block(dP).copy_(dz.view(B * T, lay.num_heads, -1))
-    del dz
+    # through them would set the layer's peak memory; dz (a third of it) waits instead, and the
+    # inputs step writes it into dP's z columns
+    dP = torch.empty_like(rows)  # the inputs step writes every column
     dconv, dA_log, ddt_bias, _ = steps.op_inputs_backward(
         dq.reshape(B * T, -1, lay.head_k_dim), dk.reshape(B * T, -1, lay.head_k_dim),
-        dv.reshape(B * T, lay.num_v_heads, -1), dg.reshape(B * T, -1), dbeta.reshape(B * T, -1), rows, lay,
+        dv.reshape(B * T, lay.num_v_heads, -1), dg.reshape(B * T, -1), dbeta.reshape(B * T, -1), dz, rows, lay,
         conv_weight, A_log, dt_bias, positions, config.allow_neg_eigval, dP)
     return dP.view(B, T, width), dconv, dA_log, ddt_bias, dnorm_weight, dh0
 

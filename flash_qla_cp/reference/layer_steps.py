@@ -232,10 +232,11 @@ def _beta_scale(allow_neg_eigval) -> float:
     return 2.0 if allow_neg_eigval else 1.0
 
 
-def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout: ProjectionLayout, conv_weight, A_log, dt_bias, positions,
-                       allow_neg_eigval, dP, history=None):
+def op_inputs_backward(dq, dk, dv, dg, dbeta, dz, P, layout: ProjectionLayout, conv_weight, A_log, dt_bias,
+                       positions, allow_neg_eigval, dP, history=None):
     """Gradients of `op_inputs_forward`: writes the q, k, v, b, a columns of dP [NT, width] (P's
-    dtype) and returns (d conv_weight, d A_log, d dt_bias, d history or None) in the inputs' dtypes.
+    dtype), and the gated norm's dz [NT, HV, dv] into its z columns (every column of dP written);
+    returns (d conv_weight, d A_log, d dt_bias, d history or None) in the inputs' dtypes.
     dq, dk [NT, H, dk], or [NT, HV, dk]: per-v-head parts, summed over each qk-head's v-heads."""
     dtype = compute_dtype(P)
     NT, H = P.shape[0], layout.num_heads
@@ -268,6 +269,7 @@ def op_inputs_backward(dq, dk, dv, dg, dbeta, P, layout: ProjectionLayout, conv_
     db = dbeta * _beta_scale(allow_neg_eigval) * sb * (1 - sb)
     dP[:, a_cols] = da.to(dP.dtype)
     dP[:, b_cols] = db.to(dP.dtype)
+    dP[:, layout_columns(layout, "z", P.device)] = dz.reshape(NT, -1).to(dP.dtype)
     return (dw.reshape(conv_weight.shape).to(conv_weight.dtype), dA_log.to(A_log.dtype), da.sum(0).to(dt_bias.dtype),
             dhistory)
 

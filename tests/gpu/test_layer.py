@@ -60,9 +60,8 @@ def test_layer_step_kernels_are_their_torch_forms(lay, dtype, neg, history):
         dP = torch.full_like(P, float("nan"))
         y = steps.gated_norm_forward(o, P, lay, norm, 1e-6)
         do, dz, dnorm = steps.gated_norm_backward(dy, o, P, lay, norm, 1e-6)
-        lay.z_block(dP).copy_(dz.view(NT, lay.num_heads, -1))
-        dconv, dA, ddt, dhist = steps.op_inputs_backward(*grads, P, lay, conv, A_log, dt_bias, positions, neg, dP,
-                                                         history=hist)
+        dconv, dA, ddt, dhist = steps.op_inputs_backward(*grads, dz, P, lay, conv, A_log, dt_bias, positions, neg,
+                                                         dP, history=hist)
         out[name] = dict(y=y, do=do, dnorm=dnorm, dP=dP, dconv=dconv, dA=dA, ddt=ddt)
         if history:
             out[name]["dhistory"] = dhist

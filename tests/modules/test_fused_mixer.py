@@ -105,7 +105,8 @@ def test_inputs_step_backward_takes_dq_dk_as_per_v_head_parts(layout):
     P = torch.randn(NT, lay.width, dtype=torch.float64, generator=gen)
     dq_parts, dk_parts = (torch.randn(NT, HV, lay.head_k_dim, dtype=torch.float64, generator=gen) for _ in range(2))
     rest = [torch.randn(NT, HV, lay.head_v_dim, dtype=torch.float64, generator=gen),
-            *(torch.randn(NT, HV, dtype=torch.float64, generator=gen) for _ in range(2))]
+            *(torch.randn(NT, HV, dtype=torch.float64, generator=gen) for _ in range(2)),
+            torch.randn(NT, HV, lay.head_v_dim, dtype=torch.float64, generator=gen)]
     positions = token_positions(1, NT, torch.tensor([0, 20, NT]), P.device)
     weights = (m.conv1d.weight, m.A_log, m.dt_bias)
     results = []

@@ -20,13 +20,16 @@ LOOKAHEAD = 16  # tokens after a block's outputs whose dy the transposed conv re
 
 def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_offset: int, q_head_stride: int,
                                   k_offset: int, k_head_stride: int, v_offset: int, v_head_stride: int, b_offset: int,
-                                  b_head_stride: int, a_offset: int, a_head_stride: int, conv_size: int, dtype: str,
-                                  allow_neg_eigval: bool, block_tokens: int = 32, grad_parts: int = 1):
+                                  b_head_stride: int, a_offset: int, a_head_stride: int, z_offset: int, z_head_stride: int,
+                                  conv_size: int, dtype: str, allow_neg_eigval: bool, block_tokens: int = 32,
+                                  grad_parts: int = 1):
     """PrimFunc `gdn_layer_inputs_bwd(P, history, weight, positions, A_log, dt_bias, grad_q, grad_k, grad_v, dg,
-    dbeta, dP, dweight_part, da_tokens, dA_log_tokens, dy_head)`: inputs as `build_layer_inputs_kernel` plus the
-    gradients grad_q, grad_k [NT, H, dk] (with grad_parts > 1: [NT, H, grad_parts, dk], the op's
-    per-v-head parts, summed here), grad_v [NT, HV, dv] (dtype), dg, dbeta [NT, HV] fp32; writes the
-    q, k, v, b, a columns of dP [NT, width] (dtype), dweight_part [blocks, C, conv_size] and, per
+    dbeta, dz, dP, dweight_part, da_tokens, dA_log_tokens, dy_head)`: inputs as `build_layer_inputs_kernel` plus
+    the gradients grad_q, grad_k [NT, H, dk] (with grad_parts > 1: [NT, H, grad_parts, dk], the op's
+    per-v-head parts, summed here), grad_v [NT, HV, dv] (dtype), dg, dbeta [NT, HV] fp32 and the gated
+    norm's dz [NT, HV, dv] (dtype, copied into dP's z columns by the v-head blocks: the layer's
+    backward then holds no dP before this kernel and runs no strided copy); writes every column of
+    dP [NT, width] (dtype), dweight_part [blocks, C, conv_size] and, per
     token, the terms of the dt_bias and A_log gradients, da_tokens and dA_log_tokens [NT, HV], and
     dy_head [conv_size - 1, C] (fp32). Grid (blocks = ceil(NT / block_tokens),
     2 H + HV), 256 threads."""
@@ -118,6 +121,7 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
         grad_v: T.Tensor((NT, HV, dv), dtype),
         dg: T.Tensor((NT, HV), acc),
         dbeta: T.Tensor((NT, HV), acc),
+        dz: T.Tensor((NT, HV, dv), dtype),
         dP: T.Tensor((NT, width), dtype),
         dweight_part: T.Tensor((NB, C, K), acc),
         da_tokens: T.Tensor((NT, HV), acc),
@@ -164,6 +168,9 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
                 conv_grad(P, history, weight, positions, grad_v, 0, hv, t0, bt, v_offset + h * v_head_stride + j * dv,
                           2 * H * dk + hv * dv, dv, False, dP, dweight_part, dy_head, xv_s, wv_s, m_s, n_s, dyv_s, yv_f,
                           dnv_f, None, None, None, outv_f, colv_f)
+                for i, d in T.Parallel(BT, dv):
+                    if t0 + i < NT:
+                        dP[t0 + i, z_offset + h * z_head_stride + j * dv + d] = dz[t0 + i, hv, d]
                 # gates: g = -exp(A_log) softplus(pre), pre = a + dt_bias; beta = beta_scale sigmoid(b)
                 for i in T.Parallel(BT):
                     if t0 + i < NT:
