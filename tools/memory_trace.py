@@ -1,6 +1,11 @@
 """Peak memory of one training step of the long-sequence recipe, estimated on a CPU machine.
 
     python tools/memory_trace.py --seq-len 16384 [--checkpoint-blocks] [--top 12]
+    python tools/memory_trace.py --layer qwen3_next_1x32k    # one fwd+bwd of our GatedDeltaNet
+    python tools/memory_trace.py --op tp1_1x32k              # one fwd+bwd of the op
+
+`--layer` takes a shape of benchmarks/bench_layer.py, `--op` one of benchmarks/bench_kernels.py
+(the op with its defaults); both count their inputs too, as those benchmarks' peak column does.
 
 Runs the recipe's model (examples/hybrid_lm: 8 GDN blocks, hidden 1024, 8 / 16 heads of 128,
 bf16 autocast) for one forward + backward with the TileLang host code on CPU tensors: every kernel
@@ -20,7 +25,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "examples")]
+sys.path[:0] = [ROOT] + [os.path.join(ROOT, d) for d in ("tools", "examples", "benchmarks")]
 
 from precompile_cache import MatmulsSkipped, recording  # noqa: E402
 
@@ -72,23 +77,73 @@ def training_step(seq_len, checkpoint_blocks):
     return trace
 
 
+def layer_step(name):
+    """One fwd+bwd of our GatedDeltaNet on a shape of benchmarks/bench_layer.py: (trace, tokens)."""
+    from bench_layer import SHAPES, call, make_layer
+
+    from flash_qla_cp.testing import random_cu_seqlens
+
+    hidden, H, HV, D, B, T, lengths = SHAPES[name]
+    trace = LiveStorages()
+    with recording(132):
+        layer = make_layer("ours", hidden, H, HV, D, torch.device("cpu"), torch.bfloat16)
+        cu = random_cu_seqlens(lengths) if lengths else None
+        with trace:
+            x = torch.zeros(1 if lengths else B, sum(lengths) if lengths else T, hidden, dtype=torch.bfloat16,
+                            requires_grad=True)
+            y = call(layer, "ours", x, cu)
+            trace.phase = "backward"
+            y.backward(torch.ones_like(y))
+    return trace, x.shape[0] * x.shape[1]
+
+
+def op_step(name):
+    """One fwd+bwd of the op on a shape of benchmarks/bench_kernels.py: (trace, tokens)."""
+    from bench_kernels import SHAPES, shape_cu
+
+    from flash_qla_cp import chunk_gated_delta_rule
+
+    B, T, H, HV, K, V, nseq = SHAPES[name]
+    cu = shape_cu(name).to(torch.int32) if nseq else None
+    if nseq:
+        B, T = 1, B * T
+    trace = LiveStorages()
+    with recording(132), trace:
+        q, k = (torch.zeros(B, T, H, K, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        v = torch.zeros(B, T, HV, V, dtype=torch.bfloat16, requires_grad=True)
+        g, beta = (torch.zeros(B, T, HV, requires_grad=True) for _ in range(2))
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu,
+                                      cu_seqlens_cpu=cu.cpu() if cu is not None else None)
+        trace.phase = "backward"
+        o.backward(torch.ones_like(o))
+    return trace, B * T
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--checkpoint-blocks", action="store_true")
+    ap.add_argument("--layer", help="a shape of benchmarks/bench_layer.py: one fwd+bwd of our GatedDeltaNet")
+    ap.add_argument("--op", help="a shape of benchmarks/bench_kernels.py: one fwd+bwd of the op")
     ap.add_argument("--top", type=int, default=12, help="how many of the allocations alive at the peak to list")
     args = ap.parse_args()
-    trace = training_step(args.seq_len, args.checkpoint_blocks)
-    T = args.seq_len
-    print(f"peak {trace.peak / 2**30:.2f} GiB = {trace.peak / T / 1024:.1f} KiB per token "
-          f"({T} tokens, {'with' if args.checkpoint_blocks else 'without'} --checkpoint-blocks)")
+    if args.layer:
+        trace, T = layer_step(args.layer)
+        what = f"our layer's fwd+bwd, {args.layer}"
+    elif args.op:
+        trace, T = op_step(args.op)
+        what = f"the op's fwd+bwd, {args.op}"
+    else:
+        trace, T = training_step(args.seq_len, args.checkpoint_blocks), args.seq_len
+        what = f"training step, {'with' if args.checkpoint_blocks else 'without'} --checkpoint-blocks"
+    print(f"peak {trace.peak / 2**30:.2f} GiB = {trace.peak / T / 1024:.1f} KiB per token ({T} tokens, {what})")
     by_kind = collections.Counter()
     count = collections.Counter()
-    for size, what in trace.at_peak:
-        by_kind[what] += size
-        count[what] += 1
-    for what, size in by_kind.most_common(args.top):
-        print(f"{size / T / 1024:8.1f} KiB/token  {count[what]:3d} x {what}")
+    for size, kind in trace.at_peak:
+        by_kind[kind] += size
+        count[kind] += 1
+    for kind, size in by_kind.most_common(args.top):
+        print(f"{size / 2**20:8.0f} MiB {size / T / 1024:8.1f} KiB/token  {count[kind]:3d} x {kind}")
 
 
 if __name__ == "__main__":
