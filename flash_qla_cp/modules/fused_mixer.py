@@ -26,6 +26,7 @@ backward; under torch.compile the same forward and backward run as registered cu
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass, replace
+from functools import partial
 
 import torch
 
@@ -67,6 +68,19 @@ def _steps(config: MixerConfig, conv_size: int = 0):
     return kernel_steps if config.backend == "tilelang" and kernels_reach else torch_steps
 
 
+def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, backward_plan) -> tuple:
+    """The layer steps' kernel plans for the op's backward plan (None where the forward does not know it)."""
+    lay = config.layout
+    # the inputs step's backward reads dq, dk as the op's backward leaves them: per-v-head parts
+    # where its kernels write them so (GVA, the fused walk: assumed where the plan is not known)
+    writes_parts = backward_plan is None or backward_plan.v_head_parts
+    parts = lay.num_v_heads // lay.num_heads if writes_parts else 1
+    # after a forward that keeps its chunk states the backward re-forms the op's inputs without v
+    states_kept = backward_plan is not None and backward_plan.h_walk is None
+    return kernel_steps.layer_plans(lay, conv_size, dtype, config.allow_neg_eigval, config.norm_eps, parts,
+                                    states_kept)
+
+
 def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig,
              cu_seqlens_cpu=None, output_final_state=False):
     """(y [B, T, HV * dv], o [B, T, HV, dv], the op's context without its inputs, token positions,
@@ -76,18 +90,7 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     steps = _steps(config, conv_weight.shape[-1])
     # on the first call the op compiles the steps' kernels with its own (one round: the inputs
     # step's forward kernel, which runs before the op, compiles on its own ahead of it)
-    step_plans = ()
-    if steps is kernel_steps:
-        def step_plans(backward_plan):
-            # the inputs step's backward reads dq, dk as the op's backward leaves them: per-v-head
-            # parts where its kernels write them so (GVA, the fused walk: assumed where the
-            # forward does not know the backward plan)
-            writes_parts = backward_plan is None or backward_plan.v_head_parts
-            parts = lay.num_v_heads // lay.num_heads if writes_parts else 1
-            # after a forward that keeps its chunk states the backward re-forms the op's inputs without v
-            states_kept = backward_plan is not None and backward_plan.h_walk is None
-            return kernel_steps.layer_plans(lay, conv_weight.shape[-1], P.dtype, config.allow_neg_eigval,
-                                            config.norm_eps, parts, states_kept)
+    step_plans = partial(_kernel_step_plans, config, conv_weight.shape[-1], P.dtype) if steps is kernel_steps else ()
     rows = P.view(B * T, width)
     positions = token_positions(B, T, cu_seqlens, P.device)
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
