@@ -147,6 +147,15 @@ def chunk_gated_delta_rule_bwd(do, dht, ctx: GDNContext):
     return _torch_bwd(do, dht, ctx)
 
 
+def backward_reads_v(ctx: GDNContext) -> bool:
+    """Whether `chunk_gated_delta_rule_bwd` reads ctx.v: not the TileLang backward after a forward
+    that kept its chunk states (its walks read the kept v residuals instead), so a caller that
+    recomputes the op's inputs for the backward may leave v out."""
+    saved = ctx.kernel_saved
+    states_kept = getattr(saved, "h_states", None) is not None and getattr(saved, "vres", None) is not None
+    return not (ctx.backend == "tilelang" and ctx.options.tilelang_backward and states_kept)
+
+
 def backward_will_run(*inputs) -> bool:
     """Whether autograd records a call on `inputs` (None entries allowed): grad mode on and some
     input needs a gradient. Kept chunk states are worth their memory only then (not under

@@ -87,9 +87,10 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return kernel_operand(t.float())
 
 
-def _inputs_plan(P, layout, conv_weight, allow_neg_eigval, grad_parts=1):
+def _inputs_plan(P, layout, conv_weight, allow_neg_eigval, grad_parts=1, recompute_without_v=False):
     """(A step compiles the kernel it launches on first use, unless its plan was compiled ahead.)"""
-    return plan_layer_inputs(layout, conv_weight.shape[-1], tl_dtype(P.dtype), bool(allow_neg_eigval), grad_parts)
+    return plan_layer_inputs(layout, conv_weight.shape[-1], tl_dtype(P.dtype), bool(allow_neg_eigval), grad_parts,
+                             recompute_without_v)
 
 
 def _history(P, conv_weight, history):
@@ -107,8 +108,8 @@ def _sized(spec: KernelSpec, block_tokens: int, default: int) -> KernelSpec:
 def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False, history=None,
                       block_tokens=INPUTS_BLOCK_TOKENS, with_v=True):
     """As `reference.layer_steps.op_inputs_forward` (P [NT, width] bf16 / fp16)."""
-    plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval)
-    spec = plan.forward if with_v else plan.forward.replace(with_v=False)
+    plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval, recompute_without_v=not with_v)
+    spec = plan.forward if with_v else plan.recompute
     NT, H, HV = P.shape[0], layout.num_heads, layout.num_v_heads
     q = P.new_empty(NT, H, layout.head_k_dim)
     k = P.new_empty(NT, H, layout.head_k_dim)

@@ -6,8 +6,9 @@ gated-norm output (the input of out_proj) out.
 Three steps, no torch autograd graph around them: the short conv + SiLU, the l2 normalisation and
 the gates are one step (`op_inputs_forward`), the gated RMSNorm another; each reads its parts of P
 where the projection wrote them (`ProjectionLayout`), so nothing is split, concatenated or copied
-between the projection and the kernels; the backward writes every column of one dP (the z columns
-by one strided copy of dz, so that dP need not be held through the op's backward).
+between the projection and the kernels; the backward writes every column of one dP, allocated
+after the op's backward (the inputs step's backward also copies the gated norm's dz into its z
+columns), so that dP is not held through the op's backward.
 
 Memory: the node keeps P, o and the parameters; the backward recomputes q, k, g, beta (and v,
 unless the op kept its chunk states: its backward then reads no v) from P instead of holding them
@@ -32,8 +33,8 @@ import torch
 
 from ..backends import choose_backend
 from ..kernels import layer as kernel_steps
-from ..ops import (GDNContext, backward_will_run, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd,
-                   put_tensors, take_tensors)
+from ..ops import (GDNContext, backward_reads_v, backward_will_run, chunk_gated_delta_rule_bwd,
+                   chunk_gated_delta_rule_fwd, put_tensors, take_tensors)
 from ..options import DEFAULT_OPTIONS, KernelOptions
 from ..reference import layer_steps as torch_steps
 from ..reference.layer_steps import ProjectionLayout, layout_columns, token_positions
@@ -116,8 +117,7 @@ def _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
     rows = P.view(B * T, width)
     do, dz, dnorm_weight = steps.gated_norm_backward(dy.reshape(B * T, -1), o.view(B * T, lay.num_v_heads, -1), rows,
                                                      lay, norm_weight, config.norm_eps)
-    # an op that kept its chunk states reads no v in its TileLang backward: v is not re-formed
-    with_v = getattr(gdn.kernel_saved, "h_states", None) is None or not gdn.options.tilelang_backward
+    with_v = backward_reads_v(gdn)  # (not after a TileLang forward that kept its chunk states)
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
                                                config.allow_neg_eigval, with_v=with_v)
     gdn = replace(gdn, q=q.view(B, T, lay.num_heads, -1), k=k.view(B, T, lay.num_heads, -1),

@@ -132,3 +132,18 @@ def test_v_head_sums_are_views_of_the_parts_first_slots(H, group, monkeypatch):
     assert dq.shape == dk.shape == (1, T, H, K)
     assert torch.allclose(dq, want[0]) and torch.allclose(dk, want[1])
     assert dq.data_ptr() == parts[0].data_ptr() and dk.data_ptr() == parts[1].data_ptr()
+
+
+def test_backward_reads_v_unless_the_tilelang_walks_have_the_kept_states():
+    from types import SimpleNamespace
+
+    from flash_qla_cp.ops import GDNContext, backward_reads_v
+
+    kept = SimpleNamespace(h_states=torch.zeros(1), vres=torch.zeros(1))
+    ctx = GDNContext(*([None] * 7), 1.0, False, False, "tilelang", kernel_saved=kept)
+    assert not backward_reads_v(ctx)
+    assert backward_reads_v(GDNContext(*([None] * 7), 1.0, False, False, "tilelang",
+                                       KernelOptions(tilelang_backward=False), kept))
+    assert backward_reads_v(GDNContext(*([None] * 7), 1.0, False, False, "torch", kernel_saved=kept))
+    assert backward_reads_v(GDNContext(*([None] * 7), 1.0, False, False, "tilelang",
+                                       kernel_saved=SimpleNamespace(h_states=None, vres=None)))

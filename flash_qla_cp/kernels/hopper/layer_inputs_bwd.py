@@ -20,9 +20,9 @@ LOOKAHEAD = 16  # tokens after a block's outputs whose dy the transposed conv re
 
 def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_offset: int, q_head_stride: int,
                                   k_offset: int, k_head_stride: int, v_offset: int, v_head_stride: int, b_offset: int,
-                                  b_head_stride: int, a_offset: int, a_head_stride: int, z_offset: int, z_head_stride: int,
-                                  conv_size: int, dtype: str, allow_neg_eigval: bool, block_tokens: int = 32,
-                                  grad_parts: int = 1):
+                                  b_head_stride: int, a_offset: int, a_head_stride: int, z_offset: int,
+                                  z_head_stride: int, conv_size: int, dtype: str, allow_neg_eigval: bool,
+                                  block_tokens: int = 32, grad_parts: int = 1):
     """PrimFunc `gdn_layer_inputs_bwd(P, history, weight, positions, A_log, dt_bias, grad_q, grad_k, grad_v, dg,
     dbeta, dz, dP, dweight_part, da_tokens, dA_log_tokens, dy_head)`: inputs as `build_layer_inputs_kernel` plus
     the gradients grad_q, grad_k [NT, H, dk] (with grad_parts > 1: [NT, H, grad_parts, dk], the op's
