@@ -27,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [ROOT] + [os.path.join(ROOT, d) for d in ("tools", "examples", "benchmarks")]
 
-from precompile_cache import MatmulsSkipped, recording  # noqa: E402
+from precompile_cache import MatmulsSkipped, layer_shape, recording  # noqa: E402
 
 
 class LiveStorages(MatmulsSkipped):
@@ -79,18 +79,13 @@ def training_step(seq_len, checkpoint_blocks):
 
 def layer_step(name):
     """One fwd+bwd of our GatedDeltaNet on a shape of benchmarks/bench_layer.py: (trace, tokens)."""
-    from bench_layer import SHAPES, call, make_layer
+    from bench_layer import call
 
-    from flash_qla_cp.testing import random_cu_seqlens
-
-    hidden, H, HV, D, B, T, lengths = SHAPES[name]
     trace = LiveStorages()
     with recording(132):
-        layer = make_layer("ours", hidden, H, HV, D, torch.device("cpu"), torch.bfloat16)
-        cu = random_cu_seqlens(lengths) if lengths else None
+        layer, cu, shape = layer_shape(name)
         with trace:
-            x = torch.zeros(1 if lengths else B, sum(lengths) if lengths else T, hidden, dtype=torch.bfloat16,
-                            requires_grad=True)
+            x = torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True)
             y = call(layer, "ours", x, cu)
             trace.phase = "backward"
             y.backward(torch.ones_like(y))

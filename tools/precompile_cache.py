@@ -130,20 +130,28 @@ class MatmulsSkipped(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def layer_shape_step(name, lib="ours"):
-    """One fwd+bwd of our GatedDeltaNet (`lib` of benchmarks/bench_layer.py) on the named shape of
-    that benchmark, on CPU tensors with the matmuls skipped (the host path the benchmark runs),
-    as a callable: the layer and its input are built here, the step runs when called."""
+def layer_shape(name, lib="ours"):
+    """(layer, cu_seqlens or None, input shape) of the named shape of benchmarks/bench_layer.py:
+    our GatedDeltaNet (`lib` of that benchmark) on the CPU in bf16."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from bench_layer import SHAPES, call, make_layer
+    from bench_layer import SHAPES, make_layer
 
     from flash_qla_cp.testing import random_cu_seqlens
 
     hidden, H, HV, D, B, T, lengths = SHAPES[name]
     layer = make_layer(lib, hidden, H, HV, D, torch.device("cpu"), torch.bfloat16)
     cu = random_cu_seqlens(lengths) if lengths else None
-    x = torch.zeros(1 if cu is not None else B, sum(lengths) if cu is not None else T, hidden,
-                    dtype=torch.bfloat16, requires_grad=True)
+    return layer, cu, (1, sum(lengths), hidden) if cu is not None else (B, T, hidden)
+
+
+def layer_shape_step(name, lib="ours"):
+    """One fwd+bwd of our GatedDeltaNet (`lib` of benchmarks/bench_layer.py) on the named shape of
+    that benchmark, on CPU tensors with the matmuls skipped (the host path the benchmark runs),
+    as a callable: the layer and its input are built here, the step runs when called."""
+    from bench_layer import call
+
+    layer, cu, shape = layer_shape(name, lib)
+    x = torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True)
 
     def step():
         with MatmulsSkipped():
