@@ -27,7 +27,7 @@ from flash_qla_cp import GatedDeltaNet  # noqa: E402
 from flash_qla_cp.kernels import layer as steps  # noqa: E402
 from flash_qla_cp.kernels.runtime import kernel_log_line  # noqa: E402
 from flash_qla_cp.reference.layer_steps import token_positions  # noqa: E402
-from flash_qla_cp.testing import random_cu_seqlens  # noqa: E402
+from flash_qla_cp.testing import random_cu_seqlens, rel_err  # noqa: E402
 
 # the sizes each kernel lowers for (the layer-inputs backward adds 16 look-ahead rows to its tile)
 BLOCK_TOKENS = {"inputs": (32, 64, 128), "inputs_bwd": (16, 32, 48, 64), "norm": (16, 32, 64),
@@ -95,12 +95,10 @@ def check(step, got, want):
     """None when `got` matches the default block size's `want`, else what differs."""
     for i, (a, b) in enumerate(zip(got, want)):
         if i in PARAMETER_GRADS.get(step, ()):
-            err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-            if not err <= 1e-5:
-                return f"output {i}: relative error {err:.1e}"
+            if not rel_err(a, b) <= 1e-5:
+                return f"output {i}: relative error {rel_err(a, b):.1e}"
         elif not torch.equal(a, b):
-            err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-            return f"output {i} differs: relative error {err:.1e}"
+            return f"output {i} differs: relative error {rel_err(a, b):.1e}"
     return None
 
 
