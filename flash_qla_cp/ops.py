@@ -15,7 +15,7 @@ import torch
 from .backends import choose_backend
 from .kernels import runtime
 from .kernels.backward import plan_backward, tilelang_backward
-from .kernels.forward import tilelang_forward
+from .kernels.forward import ForwardSaved, tilelang_forward
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .reference.backward import chunk_gated_delta_rule_bwd_reference
 from .reference.chunked import chunk_gated_delta_rule_torch
@@ -151,8 +151,7 @@ def backward_reads_v(ctx: GDNContext) -> bool:
     """Whether `chunk_gated_delta_rule_bwd` reads ctx.v: not the TileLang backward after a forward
     that kept its chunk states (its walks read the kept v residuals instead), so a caller that
     recomputes the op's inputs for the backward may leave v out."""
-    saved = ctx.kernel_saved
-    states_kept = getattr(saved, "h_states", None) is not None and getattr(saved, "vres", None) is not None
+    states_kept = isinstance(ctx.kernel_saved, ForwardSaved) and ctx.kernel_saved.states_kept()
     return not (ctx.backend == "tilelang" and ctx.options.tilelang_backward and states_kept)
 
 

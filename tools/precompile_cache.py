@@ -100,13 +100,15 @@ def bench_shape_specs(names, sms=132):
 
 
 def gpu_test_specs(sms=132):
-    """[KernelSpec] of tests/gpu/test_op.py: each case once, the quick cases with each option."""
+    """[KernelSpec] of tests/gpu/test_op.py: each case once, the quick cases with each option, the
+    second-backward cases."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
     import test_op
     from gdn_checks import make_inputs, run_op
 
     jobs = [(name, {}) for name in test_op.CASES]
     jobs += [(name, test_op.OPTIONS[o]) for name in test_op.QUICK for o in test_op.OPTIONS if o != "default"]
+    jobs += [(name, test_op.SECOND_BACKWARD_OPTIONS) for name in test_op.SECOND_BACKWARD]
     with recording(sms) as found:
         for name, options in jobs:
             case = test_op.CASES[name]

@@ -10,7 +10,7 @@ state S [K, V] from chunk to chunk in registers and writes o and the final state
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -109,6 +109,18 @@ class SplitSaved:
     dh_walk_chunks: torch.Tensor
 
 
+class Overwritten:
+    """Whether a backward has written over the kept v residuals (its dk takes their memory,
+    `kernels/backward.py`). One object shared by every copy of a `ForwardSaved`
+    (`dataclasses.replace` keeps it), so that a later backward over the same forward, through any
+    copy, recomputes the residuals instead of reading that dk."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = False
+
+
 @dataclass
 class ForwardSaved:
     """What the TileLang forward keeps for its backward (tensors contiguous, token-major).
@@ -118,8 +130,8 @@ class ForwardSaved:
     sequence), chunk_offsets [N + 1] (each sequence's first chunk; None where nothing needed it)
     and walk_order [N] (the walks' sequence order, unsplit only). With save_states: h_states
     [NC, HV, K, V] (the state entering each chunk, of the partitions when split) and vres
-    [B, T, HV, V] (v - exp(G) k S), both in the input dtype; without them the backward
-    recomputes both (its h walk).
+    [B, T, HV, V] (v - exp(G) k S), both in the input dtype; without them, or once a backward
+    has written over vres (vres_overwritten), the backward recomputes both (its h walk).
     """
 
     g_cumsum: torch.Tensor
@@ -130,6 +142,11 @@ class ForwardSaved:
     split: SplitSaved | None = None
     h_states: torch.Tensor | None = None
     vres: torch.Tensor | None = None
+    vres_overwritten: Overwritten = field(default_factory=Overwritten)
+
+    def states_kept(self) -> bool:
+        """Whether the chunk states and v residuals are here for a backward to read."""
+        return self.h_states is not None and self.vres is not None and not self.vres_overwritten.value
 
 
 def run_prepare(spec: KernelSpec, k, g, beta, cu_seqlens=None, chunk_tab=None):

@@ -82,10 +82,12 @@ def make_inputs(case: Case) -> Inputs:
     return Inputs(x, h0, do, dfinal, cu)
 
 
-def run_op(case: Case, inputs: Inputs, device, backend, reference=False, intra_cp=None, **op_options) -> dict:
+def run_op(case: Case, inputs: Inputs, device, backend, reference=False, intra_cp=None, backward_twice=False,
+           **op_options) -> dict:
     """o, the final state and every gradient of one forward + backward through the public op, as
     float32 CPU tensors. reference: in float64 (on the inputs rounded as the case's dtype sees
-    them) and without a split."""
+    them) and without a split. backward_twice: the gradients of a second backward over the same
+    forward (the first with retain_graph)."""
     cast = {n: (t.to(case.dtype) if n in "qkv" else t.float()) for n, t in inputs.x.items()}
     if reference:
         cast = {n: t.double() for n, t in cast.items()}
@@ -104,6 +106,11 @@ def run_op(case: Case, inputs: Inputs, device, backend, reference=False, intra_c
     loss = (o.double() * inputs.do.to(device)).sum()
     if dfinal is not None:
         loss = loss + (final.double() * dfinal).sum()
+    if backward_twice:
+        loss.backward(retain_graph=True)
+        for t in (*xs.values(), h):
+            if t is not None:
+                t.grad = None
     loss.backward()
     out = {"o": o.detach(), "final": final.detach(), **{"d" + n: xs[n].grad for n in NAMES}}
     if h is not None:

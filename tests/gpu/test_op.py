@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flash_qla_cp import KernelOptions
-from gdn_checks import Case, check_case
+from gdn_checks import Case, check_case, errors, make_inputs, over_limits, run_op
 
 ODD = (1, 63, 64, 65, 200, 517, 1033)
 HALF = torch.float16
@@ -64,3 +64,20 @@ def test_op_within_limits_and_deterministic(name):
 @pytest.mark.parametrize("name", QUICK)
 def test_op_options_within_limits(name, option):
     check_case(CASES[name], "cuda", "tilelang", **OPTIONS[option])
+
+
+# a second backward over one forward (retain_graph), after a first whose fused walk wrote dk over
+# the kept v residuals
+SECOND_BACKWARD = ("varlen_odd", "split_tp1_auto")
+SECOND_BACKWARD_OPTIONS = {"backward_twice": True, "kernel_options": KernelOptions(fused_walk="on")}
+
+
+@pytest.mark.parametrize("name", SECOND_BACKWARD)
+def test_a_second_backward_over_one_forward_within_limits(name):
+    """The second backward recomputes the residuals (h walk): its gradients are within the limits."""
+    case = CASES[name]
+    inputs = make_inputs(case)
+    want = run_op(case, inputs, "cuda", "torch", reference=True)
+    got = run_op(case, inputs, "cuda", "tilelang", **SECOND_BACKWARD_OPTIONS)
+    errs = errors(got, want)
+    assert not over_limits(errs), errs

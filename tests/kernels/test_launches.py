@@ -625,3 +625,32 @@ def test_a_decoding_step_has_no_value_dependent_op_or_lifted_scalar(fused):
             m(token, cache=cache, use_cache=True)
     assert (len(launches.calls) > 0) == fused
     assert refused.seen == []
+
+
+@pytest.mark.parametrize("lengths", [(40000, 25536), (4096, 1, 300)], ids=["fused_walk", "grad_kernel"])
+def test_the_fused_walk_writes_dk_over_the_kept_residuals_once(lengths):
+    """The fused backward walk writes dk into the v residuals' memory (same shape under GVA's
+    per-v-head parts; it reads a chunk's residuals before it writes that chunk's dk); a second
+    backward over the same forward (retain_graph) then recomputes them with the h walk into a new
+    buffer. The grad kernel writes a new dk."""
+    from flash_qla_cp.api import chunk_gated_delta_rule
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v, g, beta = (t.requires_grad_(True) for t in inputs(sum(lengths), 2, 4))
+    launches = Launches()
+    with tilelang_path(launches):
+        o = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend="tilelang", intra_cp="auto")[0]
+        o.float().sum().backward(retain_graph=True)
+        first = list(launches.calls)
+        launches.calls.clear()
+        o.float().sum().backward()
+    walk_names = ("build_bwd_fused_ws_kernel", "build_bwd_grad_group_kernel")
+    fused = any(spec.name == walk_names[0] for spec, _ in first)
+    assert fused == (lengths[0] == 40000)
+    walk_args = next(args for spec, args in first if spec.name in walk_names)
+    vres, dk = walk_args[3], walk_args[13]  # (the same places in both kernels' arguments)
+    assert (dk.data_ptr() == vres.data_ptr()) == fused
+    h_walks = [args for spec, args in launches.calls if spec.name.startswith("build_bwd_h")]
+    assert bool(h_walks) == fused  # the second backward: kept residuals spent only after the fused walk
+    if fused:
+        assert h_walks[0][-1].data_ptr() != vres.data_ptr()

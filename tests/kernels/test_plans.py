@@ -135,15 +135,20 @@ def test_v_head_sums_are_views_of_the_parts_first_slots(H, group, monkeypatch):
 
 
 def test_backward_reads_v_unless_the_tilelang_walks_have_the_kept_states():
-    from types import SimpleNamespace
+    from dataclasses import replace
 
+    from flash_qla_cp.kernels.forward import ForwardSaved
     from flash_qla_cp.ops import GDNContext, backward_reads_v
 
-    kept = SimpleNamespace(h_states=torch.zeros(1), vres=torch.zeros(1))
+    kept = ForwardSaved(None, None, None, None, h_states=torch.zeros(1), vres=torch.zeros(1))
     ctx = GDNContext(*([None] * 7), 1.0, False, False, "tilelang", kernel_saved=kept)
     assert not backward_reads_v(ctx)
     assert backward_reads_v(GDNContext(*([None] * 7), 1.0, False, False, "tilelang",
                                        KernelOptions(tilelang_backward=False), kept))
     assert backward_reads_v(GDNContext(*([None] * 7), 1.0, False, False, "torch", kernel_saved=kept))
     assert backward_reads_v(GDNContext(*([None] * 7), 1.0, False, False, "tilelang",
-                                       kernel_saved=SimpleNamespace(h_states=None, vres=None)))
+                                       kernel_saved=ForwardSaved(None, None, None, None)))
+    # a backward wrote its dk over the residuals: seen through every copy of what the forward kept
+    copy = replace(kept)
+    kept.vres_overwritten.value = True
+    assert backward_reads_v(GDNContext(*([None] * 7), 1.0, False, False, "tilelang", kernel_saved=copy))
