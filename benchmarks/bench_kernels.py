@@ -259,7 +259,7 @@ def each_call(shapes, libs):
 
 def reference_outputs(q, k, v, g, beta, cu, scale):
     """(o, final state) of the torch chunked reference in float32 on the GPU."""
-    from flash_qla_cp.kernels.reference_chunked import chunk_gated_delta_rule_torch
+    from flash_qla_cp.reference.chunked import chunk_gated_delta_rule_torch
 
     with torch.no_grad():
         o, ht = chunk_gated_delta_rule_torch(q.float(), k.float(), v.float(), g, beta, scale, None, True,

@@ -101,3 +101,27 @@ def test_public_surface():
 def test_package_files_stay_small():
     big = {p.name: n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
     assert not big, big
+
+
+def test_scripts_import_what_the_package_has():
+    """Every `from flash_qla_cp... import name` in the benchmarks, tools and examples names a
+    module and attribute that exist (imports inside GPU-only functions run nowhere else on CPU)."""
+    import importlib
+
+    root = pathlib.Path(flash_qla_cp.__file__).parent.parent
+    missing = []
+    for path in sorted(p for d in ("benchmarks", "tools", "examples") for p in (root / d).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("flash_qla_cp"):
+                try:
+                    module = importlib.import_module(node.module)
+                except ImportError as exc:
+                    missing.append(f"{path.name}: {node.module} ({exc})")
+                    continue
+                for alias in node.names:
+                    if not hasattr(module, alias.name):
+                        try:
+                            importlib.import_module(f"{node.module}.{alias.name}")
+                        except ImportError:
+                            missing.append(f"{path.name}: {node.module}.{alias.name}")
+    assert not missing, missing
