@@ -213,7 +213,8 @@ def write_results(out_dir, meta, rows, merge=None):
         order = list(SHAPES)
         rows.sort(key=lambda r: (order.index(r["shape"]), r["lib"], r["mode"]))
         meta = {**meta, "accuracy": {**earlier["meta"].get("accuracy", {}), **meta["accuracy"]},
-                "command": meta["command"] + f" (plus the rows of: {earlier['meta']['command']})"}
+                "command": meta["command"] + f" (plus the other rows of: {earlier['meta']['command']}, "
+                                             f"{earlier['meta']['date']})"}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench_layer.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

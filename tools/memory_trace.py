@@ -30,6 +30,12 @@ sys.path[:0] = [ROOT] + [os.path.join(ROOT, d) for d in ("tools", "examples", "b
 from precompile_cache import MatmulsSkipped, layer_shape, recording  # noqa: E402
 
 
+def _emptied(ref) -> bool:
+    """Whether a storage still alive was resized to nothing (memory freed while a tensor, e.g. one
+    autograd saved, still refers to it)."""
+    return torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() == 0
+
+
 class LiveStorages(MatmulsSkipped):
     """Bytes of the tensor storages ops created and that are still alive; the peak and its contents
     (matmuls skipped: their outputs' shapes and dtypes are what matters here, not the values)."""
@@ -43,7 +49,7 @@ class LiveStorages(MatmulsSkipped):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        for key in [k for k, (ref, _, _) in self.live.items() if ref.expired()]:
+        for key in [k for k, (ref, _, _) in self.live.items() if ref.expired() or _emptied(ref)]:
             self.now -= self.live.pop(key)[1]
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):

@@ -201,8 +201,9 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
 
     sdims = (HV, K, V)
     # the chunk states and v residuals: from the forward when it kept them (save_states) and no
-    # backward has written over them yet, else recomputed by the h walk
-    kept = saved is not None and saved.states_kept()
+    # backward has used them yet, else recomputed by the h walk
+    fresh = saved is not None and not saved.spent.value
+    kept = fresh and saved.states_kept()
     h_st = _saved_tensor(saved.h_states, (NC, *sdims)) if kept else None
     vres = _saved_tensor(saved.vres, (1, Ttot, HV, V)) if kept else None
     states_saved = h_st is not None and vres is not None and h_st.dtype == dt and vres.dtype == dt
@@ -213,8 +214,8 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
                          not v_head_parts)
     runtime.compile_plan(plan)  # first use: every kernel of the call at once, in parallel
 
-    gcum = _saved_tensor(saved.g_cumsum, (1, Ttot, HV)) if saved is not None else None
-    ag = _saved_tensor(saved.Ag, (1, Ttot, HV, CHUNK)) if saved is not None else None
+    gcum = _saved_tensor(saved.g_cumsum, (1, Ttot, HV)) if fresh else None
+    ag = _saved_tensor(saved.Ag, (1, Ttot, HV, CHUNK)) if fresh else None
     if gcum is None or ag is None or ag.dtype != dt:
         gcum, ag, ctab = run_prepare(plan.prepare, kf, flat(as_dtype(g, torch.float32), HV), b32, cu_seqlens=cu,
                                      chunk_tab=ctab)
@@ -262,10 +263,8 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
             # dk takes the v residuals' memory (at 1 x 32k, 32 v-heads: 256 MiB less at the
             # backward's peak): a block of the fused walk lands a chunk's residuals in shared
             # memory before it forms anything of that chunk, writes that chunk's dk rows after,
-            # and touches no other block's (sequence, v-head) rows. Kept ones are marked spent.
+            # and touches no other block's (sequence, v-head) rows
             dk_part = vres
-            if states_saved:
-                saved.vres_overwritten.value = True
         else:
             dk_part = empty(1, Ttot, parts, K, dtype=dt, device=dev)
         if plan.fused_walk is not None:
@@ -275,6 +274,9 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
             runtime.compile_kernel(plan.dh_walk)(qf, kf, dof, ag, gcum, *walk_args, exit_grad, dh_st, dvn, dv, dh0)
             runtime.compile_kernel(plan.grad)(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq_part,
                                               dk_part, dg, db)
+        if fresh:
+            _release(saved, keep=dk_part)
+        del h_st, vres, ag, gcum, dh_st, dvn
         dq, dk = dq_part, dk_part
         if plan.v_head_sum is not None:
             dq, dk = _sum_v_heads(plan.v_head_sum, dq_part, dk_part, H)
@@ -296,6 +298,17 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
         dg, db = dg.reshape(B, Tn, HV), db.reshape(B, Tn, HV)
     dh0 = state_kv_layout(dh0, state_v_first) if user_h0 else None
     return dq, dk, dv, dg, db, dh0
+
+
+def _release(saved: ForwardSaved, keep: torch.Tensor):
+    """Mark what the forward kept as spent and free its tensors' memory now, before the v-head sums
+    and whatever the caller allocates next (the chunk states alone are 512 MiB at 1 x 32k, 32
+    v-heads), except the storage `keep` (dk) lives in. Autograd still holds the tensors, emptied,
+    until the backward returns; a later backward sees them spent and recomputes them."""
+    saved.spent.value = True
+    for t in (saved.h_states, saved.vres, saved.Ag, saved.g_cumsum):
+        if t is not None and t.untyped_storage().data_ptr() != keep.untyped_storage().data_ptr():
+            t.untyped_storage().resize_(0)
 
 
 def _sum_v_heads(spec, dq_part, dk_part, H):

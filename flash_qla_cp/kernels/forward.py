@@ -109,11 +109,11 @@ class SplitSaved:
     dh_walk_chunks: torch.Tensor
 
 
-class Overwritten:
-    """Whether a backward has written over the kept v residuals (its dk takes their memory,
-    `kernels/backward.py`). One object shared by every copy of a `ForwardSaved`
-    (`dataclasses.replace` keeps it), so that a later backward over the same forward, through any
-    copy, recomputes the residuals instead of reading that dk."""
+class Spent:
+    """Whether a backward has used what the forward kept: it may have written dk over vres and
+    freed the other tensors' memory (`kernels/backward.py`). One object shared by every copy of a
+    `ForwardSaved` (`dataclasses.replace` keeps it), so that a later backward over the same
+    forward (`retain_graph`), through any copy, recomputes them instead."""
 
     __slots__ = ("value",)
 
@@ -130,8 +130,9 @@ class ForwardSaved:
     sequence), chunk_offsets [N + 1] (each sequence's first chunk; None where nothing needed it)
     and walk_order [N] (the walks' sequence order, unsplit only). With save_states: h_states
     [NC, HV, K, V] (the state entering each chunk, of the partitions when split) and vres
-    [B, T, HV, V] (v - exp(G) k S), both in the input dtype; without them, or once a backward
-    has written over vres (vres_overwritten), the backward recomputes both (its h walk).
+    [B, T, HV, V] (v - exp(G) k S), both in the input dtype; without them the backward
+    recomputes both (its h walk). They serve one backward: it marks them `spent` (and frees or
+    overwrites them); a second backward recomputes every tensor here but the split's.
     """
 
     g_cumsum: torch.Tensor
@@ -142,11 +143,11 @@ class ForwardSaved:
     split: SplitSaved | None = None
     h_states: torch.Tensor | None = None
     vres: torch.Tensor | None = None
-    vres_overwritten: Overwritten = field(default_factory=Overwritten)
+    spent: Spent = field(default_factory=Spent)
 
     def states_kept(self) -> bool:
         """Whether the chunk states and v residuals are here for a backward to read."""
-        return self.h_states is not None and self.vres is not None and not self.vres_overwritten.value
+        return self.h_states is not None and self.vres is not None and not self.spent.value
 
 
 def run_prepare(spec: KernelSpec, k, g, beta, cu_seqlens=None, chunk_tab=None):

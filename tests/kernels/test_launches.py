@@ -628,11 +628,11 @@ def test_a_decoding_step_has_no_value_dependent_op_or_lifted_scalar(fused):
 
 
 @pytest.mark.parametrize("lengths", [(40000, 25536), (4096, 1, 300)], ids=["fused_walk", "grad_kernel"])
-def test_the_fused_walk_writes_dk_over_the_kept_residuals_once(lengths):
+def test_a_backward_spends_what_the_forward_kept(lengths):
     """The fused backward walk writes dk into the v residuals' memory (same shape under GVA's
-    per-v-head parts; it reads a chunk's residuals before it writes that chunk's dk); a second
-    backward over the same forward (retain_graph) then recomputes them with the h walk into a new
-    buffer. The grad kernel writes a new dk."""
+    per-v-head parts; it reads a chunk's residuals before it writes that chunk's dk); the grad
+    kernel writes a new dk. After the walks the backward frees the other kept tensors (chunk
+    states, Ag, G); a second backward over the same forward (retain_graph) recomputes them."""
     from flash_qla_cp.api import chunk_gated_delta_rule
 
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -647,10 +647,13 @@ def test_the_fused_walk_writes_dk_over_the_kept_residuals_once(lengths):
     walk_names = ("build_bwd_fused_ws_kernel", "build_bwd_grad_group_kernel")
     fused = any(spec.name == walk_names[0] for spec, _ in first)
     assert fused == (lengths[0] == 40000)
+    assert not any(spec.name.startswith(("build_bwd_h", "build_prepare")) for spec, _ in first[2:])
     walk_args = next(args for spec, args in first if spec.name in walk_names)
-    vres, dk = walk_args[3], walk_args[13]  # (the same places in both kernels' arguments)
+    vres, dk, h = walk_args[3], walk_args[13], walk_args[7 if fused else 8]
     assert (dk.data_ptr() == vres.data_ptr()) == fused
-    h_walks = [args for spec, args in launches.calls if spec.name.startswith("build_bwd_h")]
-    assert bool(h_walks) == fused  # the second backward: kept residuals spent only after the fused walk
-    if fused:
-        assert h_walks[0][-1].data_ptr() != vres.data_ptr()
+    assert h.untyped_storage().nbytes() == 0  # freed once the walks were done
+    assert (vres.untyped_storage().nbytes() == 0) == (not fused)
+    second = [spec.name for spec, _ in launches.calls]
+    assert second[0] == "build_prepare_kernel" and second[1].startswith("build_bwd_h")
+    h_walk = launches.calls[1][1]
+    assert h_walk[-1].data_ptr() != vres.data_ptr()

@@ -148,7 +148,7 @@ def test_backward_reads_v_unless_the_tilelang_walks_have_the_kept_states():
     assert backward_reads_v(GDNContext(*([None] * 7), 1.0, False, False, "torch", kernel_saved=kept))
     assert backward_reads_v(GDNContext(*([None] * 7), 1.0, False, False, "tilelang",
                                        kernel_saved=ForwardSaved(None, None, None, None)))
-    # a backward wrote its dk over the residuals: seen through every copy of what the forward kept
+    # a backward has used what the forward kept: seen through every copy of it
     copy = replace(kept)
-    kept.vres_overwritten.value = True
+    kept.spent.value = True
     assert backward_reads_v(GDNContext(*([None] * 7), 1.0, False, False, "tilelang", kernel_saved=copy))
