@@ -61,10 +61,7 @@ def gdn_bwd(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torc
     ctx = GDNContext(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, state_v_first,
                      choose_backend(backend, q, v), options)
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.contiguous(), dht, ctx)
-    # (dq, dk may be strided views of the per-v-head parts: a custom op's outputs are laid out
-    # as its fake implementation says)
-    return [dq.contiguous(), dk.contiguous(), dv, dg, dbeta,
-            dh0 if dh0 is not None else q.new_empty(0, dtype=compute_dtype(q))]
+    return [dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else q.new_empty(0, dtype=compute_dtype(q))]
 
 
 @gdn_bwd.register_fake

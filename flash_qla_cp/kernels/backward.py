@@ -279,7 +279,11 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
         del h_st, vres, ag, gcum, dh_st, dvn
         dq, dk = dq_part, dk_part
         if plan.v_head_sum is not None:
-            dq, dk = _sum_v_heads(plan.v_head_sum, dq_part, dk_part, H)
+            # one at a time, contiguous (what autograd keeps as a gradient without a copy), dq's
+            # parts freed before dk's sum is allocated
+            del dq_part, dk_part
+            dq = _sum_v_heads(plan.v_head_sum, dq, H)
+            dk = _sum_v_heads(plan.v_head_sum, dk, H)
         if split_saved is not None and user_h0:
             dh0 = dh0.index_select(0, split_saved.first_parts)
     else:
@@ -311,11 +315,10 @@ def _release(saved: ForwardSaved, keep: torch.Tensor):
             t.untyped_storage().resize_(0)
 
 
-def _sum_v_heads(spec, dq_part, dk_part, H):
-    """dq, dk [1, T, H, K]: the sums of per-v-head parts [1, T, HV, K] over each qk-head's v-heads
-    (`hopper/v_head_sum.py`), formed in place of each group's first part and returned as views of
-    the parts (strided: a token's row of H x K elements is every group-th K elements)."""
-    _, Ttot, HV, K = dq_part.shape
-    group = HV // H
-    runtime.compile_kernel(spec)(dq_part.view(Ttot, H, group, K), dk_part.view(Ttot, H, group, K))
-    return (p.view(1, Ttot, H, group, K)[:, :, :, 0] for p in (dq_part, dk_part))
+def _sum_v_heads(spec, parts, H):
+    """[1, T, H, K]: the sums of per-v-head parts [1, T, HV, K] over each qk-head's v-heads
+    (`hopper/v_head_sum.py`), contiguous."""
+    _, Ttot, HV, K = parts.shape
+    out = empty(1, Ttot, H, K, dtype=parts.dtype, device=parts.device)
+    runtime.compile_kernel(spec)(parts.view(Ttot, H, HV // H, K), out.view(Ttot, H, K))
+    return out
