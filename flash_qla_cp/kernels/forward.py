@@ -132,7 +132,7 @@ class ForwardSaved:
     [NC, HV, K, V] (the state entering each chunk, of the partitions when split) and vres
     [B, T, HV, V] (v - exp(G) k S), both in the input dtype; without them the backward
     recomputes both (its h walk). They serve one backward: it marks them `spent` (and frees or
-    overwrites them); a second backward recomputes every tensor here but the split's.
+    overwrites them, G and Ag too); a second backward recomputes those four.
     """
 
     g_cumsum: torch.Tensor
