@@ -83,9 +83,10 @@ def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, backward_plan
 
 
 def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig,
-             cu_seqlens_cpu=None, output_final_state=False):
+             cu_seqlens_cpu=None, output_final_state=False, positions=None):
     """(y [B, T, HV * dv], o [B, T, HV, dv], the op's context without its inputs, token positions,
-    the op's final states [N, HV, dk, dv] or None)."""
+    the op's final states [N, HV, dk, dv] or None). positions: the rows' token positions where the
+    caller has them, else formed from cu_seqlens."""
     B, T, width = P.shape
     lay = config.layout
     steps = _steps(config, conv_weight.shape[-1])
@@ -93,7 +94,8 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     # step's forward kernel, which runs before the op, compiles on its own ahead of it)
     step_plans = partial(_kernel_step_plans, config, conv_weight.shape[-1], P.dtype) if steps is kernel_steps else ()
     rows = P.view(B * T, width)
-    positions = token_positions(B, T, cu_seqlens, P.device)
+    if positions is None:
+        positions = token_positions(B, T, cu_seqlens, P.device)
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
                                                config.allow_neg_eigval)
     o, final, gdn = chunk_gated_delta_rule_fwd(
@@ -228,9 +230,10 @@ mixer_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def fused_mixer(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig, initial_state=None,
-                cu_seqlens=None, cu_seqlens_cpu=None) -> torch.Tensor:
+                cu_seqlens=None, cu_seqlens_cpu=None, positions=None) -> torch.Tensor:
     """P [B, T, width] (B == 1 with cu_seqlens) -> the gated-norm output [B, T, HV * dv].
-    cu_seqlens_cpu: a CPU copy of cu_seqlens, so that the op does not read it back from the GPU."""
+    cu_seqlens_cpu: a CPU copy of cu_seqlens, so that the op does not read it back from the GPU;
+    positions: the rows' token positions where the caller has them (inference; `history_rows.py`)."""
     if torch.compiler.is_compiling():
         y, _ = mixer_fwd(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
                          list(astuple(config.layout)), config.allow_neg_eigval, float(config.norm_eps),
@@ -240,19 +243,24 @@ def fused_mixer(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig
         # inference: the forward alone, keeping nothing for a backward
         config = _resolved(replace(config, save_states=False), P)
         return _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
-                        cu_seqlens_cpu)[0]
+                        cu_seqlens_cpu, positions=positions)[0]
     return FusedMixer.apply(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
                             cu_seqlens_cpu)
 
 
 def fused_mixer_with_states(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig, initial_state=None,
-                            cu_seqlens=None, cu_seqlens_cpu=None):
+                            cu_seqlens=None, cu_seqlens_cpu=None, positions=None, last_rows=None):
     """Inference (no backward) that also returns what a cache carries on, e.g. a prompt's prefill:
     (y [B, T, HV * dv], the op's final states [N, HV, dk, dv], the conv states [N, C, K - 1]: the
-    last K - 1 conv inputs of each sequence, 0 before its start, read from P's rows)."""
+    last K - 1 conv inputs of each sequence, 0 before its start, read from P's rows).
+    positions, last_rows: where the caller has them (`history_rows.py`), the rows' token positions
+    and each sequence's last K - 1 rows [N, K - 1] (every sequence then has that many)."""
     config = _resolved(replace(config, save_states=False), P)
     y, _, _, _, final = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
-                                 cu_seqlens_cpu, output_final_state=True)
+                                 cu_seqlens_cpu, output_final_state=True, positions=positions)
     conv_cols = layout_columns(config.layout, "conv", P.device)
-    conv_state = last_inputs(P, cu_seqlens, conv_weight.shape[-1] - 1)[:, conv_cols]
+    if last_rows is None:
+        conv_state = last_inputs(P, cu_seqlens, conv_weight.shape[-1] - 1)[:, conv_cols]
+    else:
+        conv_state = P.reshape(-1, P.shape[-1])[last_rows][:, :, conv_cols].transpose(1, 2)
     return y, final, conv_state

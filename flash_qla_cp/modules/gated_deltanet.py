@@ -380,11 +380,13 @@ class GatedDeltaNet(nn.Module):
             recurrent_state = recurrent_state.to(compute_dtype(x))
         args = (P, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, config, recurrent_state,
                 cu_seqlens, cu_host)
+        positions = rows.positions if rows is not None else None
         final = new_conv_state = None
         if output_final_state:
-            y, final, new_conv_state = fused_mixer_with_states(*args)
+            y, final, new_conv_state = fused_mixer_with_states(
+                *args, positions=positions, last_rows=rows.last_rows if rows is not None else None)
         else:
-            y = fused_mixer(*args)
+            y = fused_mixer(*args, positions=positions)
         if rows is not None:
             y = rows.drop(y, B, T)
         return self.out_proj(y), new_conv_state, final, mixed

@@ -12,6 +12,7 @@ sequence) four rows instead of one.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,20 +23,29 @@ from ..reference.layer_steps import ProjectionLayout, layout_columns
 @dataclass(frozen=True)
 class HistoryRows:
     """Where the rows go: the call's B x T tokens (N sequences, by batch row or by cu_seqlens) with
-    `width` history rows in front of each sequence."""
+    `width` history rows in front of each sequence. Read-only: a batch's are made once per shape."""
 
     width: int
     source: torch.Tensor  # [N * width + NT] int64: each extended row's row of cat([history rows, tokens])
     tokens: torch.Tensor  # [NT] int64: the extended rows of the call's tokens, in order
     cu_seqlens: torch.Tensor  # [N + 1] int32: the extended sequences, on the call's device
     cu_seqlens_cpu: torch.Tensor  # the same on the host (the op plans from it without a read-back)
+    positions: torch.Tensor  # [N * width + NT] int32: each extended row's index inside its sequence
+    last_rows: torch.Tensor  # [N, width] int64: each extended sequence's last rows (its conv state after the call)
 
     @classmethod
     def of(cls, batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
            width: int, device) -> "HistoryRows":
         """The call's packed sequences (cu_seqlens with its host copy, batch == 1), or one sequence
         per batch row (both None). Indices are formed on the device: no host-to-device copy (which
-        would wait for the GPU's queue)."""
+        would wait for the GPU's queue); a batch's once per shape (decoding repeats one shape, and
+        every index op is a launch: host time, or replay time in a CUDA graph)."""
+        if cu_seqlens is None:
+            return _batch_rows(batch, seq_len, width, torch.device(device))
+        return cls._formed(batch, seq_len, cu_seqlens, cu_seqlens_cpu, width, device)
+
+    @classmethod
+    def _formed(cls, batch, seq_len, cu_seqlens, cu_seqlens_cpu, width, device) -> "HistoryRows":
         if cu_seqlens is None:
             cu = torch.arange(batch + 1, device=device) * seq_len
             cu_cpu = torch.arange(batch + 1) * seq_len
@@ -51,7 +61,9 @@ class HistoryRows:
         tokens = torch.arange(NT, device=device) + width * (
             torch.repeat_interleave(seqs, lengths, output_size=NT) + 1)
         ext_cu_cpu = cu_cpu + width * torch.arange(N + 1)
-        return cls(width, source, tokens, ext_cu.to(torch.int32), ext_cu_cpu.to(torch.int32))
+        last_rows = ext_cu[1:, None] - width + torch.arange(width, device=device)  # (every sequence has >= width rows)
+        return cls(width, source, tokens, ext_cu.to(torch.int32), ext_cu_cpu.to(torch.int32), offset.to(torch.int32),
+                   last_rows)
 
     def extend(self, P: torch.Tensor, conv_state: torch.Tensor, layout: ProjectionLayout) -> torch.Tensor:
         """P [B, T, width] and conv_state [N, C, >= width] (the last `width` columns read) -> the
@@ -70,3 +82,8 @@ class HistoryRows:
     def drop(self, y: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
         """The call's rows of an extended output [1, N * width + NT, ...] -> [batch, seq_len, ...]."""
         return y[0, self.tokens].view(batch, seq_len, *y.shape[2:])
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_rows(batch: int, seq_len: int, width: int, device: torch.device) -> HistoryRows:
+    return HistoryRows._formed(batch, seq_len, None, None, width, device)

@@ -627,6 +627,36 @@ def test_a_decoding_step_has_no_value_dependent_op_or_lifted_scalar(fused):
     assert refused.seen == []
 
 
+def test_a_fused_decoding_step_forms_no_index_tables():
+    """A fused decoding step after warm-up reuses its shape's row tables (history rows, positions,
+    the conv state's rows): no arange / repeat_interleave / cumsum, each a launch (host time eager,
+    replay time in a CUDA graph)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flash_qla_cp import GatedDeltaNet
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    m = GatedDeltaNet(256, 2, 4, 64, 64).to(torch.bfloat16).eval()
+    launches = Launches()
+    with torch.no_grad(), tilelang_path(launches, ("ops", "modules.fused_mixer", "modules.gated_deltanet")):
+        _, cache = m(torch.zeros(3, 70, 256, dtype=torch.bfloat16), use_cache=True)
+        token = torch.zeros(3, 1, 256, dtype=torch.bfloat16)
+        m(token, cache=cache, use_cache=True)
+        seen = Seen()
+        with seen:
+            m(token, cache=cache, use_cache=True)
+    assert launches.calls
+    assert not {"arange", "repeat_interleave", "cumsum"} & set(seen.ops), sorted(set(seen.ops))
+
+
 @pytest.mark.parametrize("lengths", [(40000, 25536), (4096, 1, 300)], ids=["fused_walk", "grad_kernel"])
 def test_a_backward_spends_what_the_forward_kept(lengths):
     """The fused backward walk writes dk into the v residuals' memory (same shape under GVA's

@@ -32,3 +32,24 @@ def test_rows_of_a_dense_batch_are_one_sequence_per_row():
     rows = HistoryRows.of(3, 4, None, None, 3, "cpu")
     assert rows.cu_seqlens.tolist() == [0, 7, 14, 21]
     assert rows.tokens.tolist() == [r * 7 + 3 + t for r in range(3) for t in range(4)]
+
+
+def test_positions_and_last_rows_are_those_of_the_extended_sequences():
+    """What the fused layer would otherwise form from the extended cu_seqlens: each row's position
+    in its sequence (the conv's taps) and each sequence's last rows (its conv state after the call)."""
+    from flash_qla_cp.modules.short_conv import last_inputs
+    from flash_qla_cp.reference.layer_steps import token_positions
+
+    cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    for rows in (HistoryRows.of(1, 5, cu, cu, 3, "cpu"), HistoryRows.of(2, 1, None, None, 3, "cpu")):
+        ext_cu = rows.cu_seqlens
+        NT = int(ext_cu[-1])
+        assert torch.equal(rows.positions, token_positions(1, NT, ext_cu, "cpu"))
+        x = torch.randn(1, NT, 6)
+        assert torch.equal(x[0][rows.last_rows].transpose(1, 2), last_inputs(x, ext_cu, 3))
+
+
+def test_a_batch_shape_s_rows_are_made_once():
+    """Decoding repeats one [batch, 1] shape: its rows (every index a launch) are formed once."""
+    assert HistoryRows.of(4, 1, None, None, 3, "cpu") is HistoryRows.of(4, 1, None, None, 3, torch.device("cpu"))
+    assert HistoryRows.of(4, 1, None, None, 3, "cpu") is not HistoryRows.of(4, 2, None, None, 3, "cpu")
