@@ -22,6 +22,8 @@
 #   ncu        ncu stall samples of one kernel (NCU_KERNEL, SHAPE, NCU_NAME), read with tools/ncu_stalls.py
 #   long_seq   the long-sequence training ladder with activation checkpointing (SEQ_LENS, STEPS; CKPT=0 without)
 #   cold_start benchmarks/bench_cold_start.py (COLD_ARGS, e.g. --no-precompile)
+#   compile_times  tools/compile_times.py --first-call on SHAPE (a bench_layer shape); PER_KERNEL=1 adds
+#              each kernel's lowering and build times
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # several invocations in one device call (different options per phase) unpack once
@@ -80,6 +82,11 @@ for phase in "$@"; do
       done ;;
     cold_start) timeout "${BENCH_TIMEOUT:-540}" python benchmarks/bench_cold_start.py --out "$OUT/cold_start" ${COLD_ARGS:-} \
                   2>&1 | grep '^{' | cut -c1-300 ;;
+    compile_times)  # where a cold first call's time goes on this machine: rounds (--first-call), then per kernel
+      timeout "${BENCH_TIMEOUT:-300}" python tools/compile_times.py --first-call --shape "${SHAPE:-qwen3_next_1x32k}" \
+        2>&1 | grep '^{' | cut -c1-600
+      [ -n "${PER_KERNEL:-}" ] && timeout "${BENCH_TIMEOUT:-300}" python tools/compile_times.py \
+        --shape "${SHAPE:-qwen3_next_1x32k}" --out "$OUT/compile_times" 2>&1 | grep '^{' | cut -c1-300 ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
