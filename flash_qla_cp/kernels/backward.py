@@ -311,7 +311,10 @@ def _release(saved: ForwardSaved, keep: torch.Tensor):
     until the backward returns; a later backward sees them spent and recomputes them."""
     saved.spent.value = True
     for t in (saved.h_states, saved.vres, saved.Ag, saved.g_cumsum):
-        if t is not None and t.untyped_storage().data_ptr() != keep.untyped_storage().data_ptr():
+        # (a storage torch cannot resize, e.g. one a saved-tensor hook made from foreign memory, is
+        # left to autograd)
+        if t is not None and t.untyped_storage().resizable() and \
+                t.untyped_storage().data_ptr() != keep.untyped_storage().data_ptr():
             t.untyped_storage().resize_(0)
 
 
