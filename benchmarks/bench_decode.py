@@ -26,10 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_kernels import graphed  # noqa: E402
 from bench_layer import make_layer, median_ms, versions  # noqa: E402
 
-from flash_qla_cp.testing import rel_err  # noqa: E402
+from flash_qla_cp.testing import cuda_graph_replay, rel_err  # noqa: E402
 
 
 class OneLayerCache:
@@ -81,7 +80,7 @@ def decode_row(lib, dims, batch, prompt_len, device, dtype, graphs=False):
         # FLA's cache moves on with each step; ours hands a new cache back (the same step each time)
         row["step_ms"] = round(median_ms(lambda: step(cache), device), 3)
         if graphs and device.type == "cuda":
-            replay = graphed(lambda: step(cache))
+            replay = cuda_graph_replay(lambda: step(cache))
             if isinstance(replay, str):
                 row["step_graph_error"] = replay
             else:

@@ -47,6 +47,8 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from flash_qla_cp.testing import cuda_graph_replay  # noqa: E402
+
 CHUNK = 64
 
 # name: (B, T, H, HV, K, V, n_varlen_seqs (random uneven lengths), a tuple of lengths, or None)
@@ -288,25 +290,6 @@ def measure(fn, rep_ms):
     return ms, peak
 
 
-def graphed(fn):
-    """A callable replaying one call of `fn` captured in a CUDA graph, or the reason it cannot be
-    captured (a host sync inside the call). Warm-up on a side stream first, as torch asks."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception as exc:  # noqa: BLE001
-        torch.cuda.synchronize()
-        return f"not capturable: {exc!r}"[:300]
-    return graph.replay
-
-
 def measured_peaks(rep=200):
     """(bf16 matmul TFLOP/s, copy GB/s) of this GPU, measured now: the floors the '% of floor'
     columns compare with (a large square GEMM; a 1 GiB copy, read and write counted)."""
@@ -413,7 +396,7 @@ def main():
                                  ("train_fwd", None if args.no_bwd else train_fwd)):
                     if callable(fn) and f"{name}_ms" in row:
                         try:
-                            replay = graphed(fn)
+                            replay = cuda_graph_replay(fn)
                             if isinstance(replay, str):
                                 row[f"{name}_graph_error"] = replay
                             else:

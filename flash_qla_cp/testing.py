@@ -87,3 +87,33 @@ def outputs_and_grads(fn, x: dict, initial_state, do, dht, cast=None, **kwargs) 
     loss = (o.double() * do.double()).sum() + (final.double() * dht.double()).sum()
     grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else [None] * len(leaves)
     return [o, final, *(torch.zeros_like(t) if d is None else d for d, t in zip(grads, leaves))]
+
+
+def cuda_graph_replay(fn, warmup: int = 3):
+    """A callable replaying one call of `fn` captured in a CUDA graph (what fn's call returned
+    during the capture is `.outputs`), or the reason it cannot be captured (e.g. a host sync
+    inside the call). Warm-up on a side stream first, as torch asks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            outputs = fn()
+    except Exception as exc:  # noqa: BLE001 - the reason is the result
+        torch.cuda.synchronize()
+        return f"not capturable: {exc!r}"[:300]
+    return _Replay(graph, outputs)
+
+
+class _Replay:
+    """graph.replay as a callable that keeps the graph and the captured call's outputs."""
+
+    def __init__(self, graph, outputs):
+        self.graph, self.outputs = graph, outputs
+
+    def __call__(self):
+        self.graph.replay()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flash_qla_cp import KernelOptions, chunk_gated_delta_rule
+from flash_qla_cp.testing import cuda_graph_replay
 from gdn_checks import Case, check_case, errors, make_inputs, over_limits, run_op
 
 ODD = (1, 63, 64, 65, 200, 517, 1033)
@@ -94,30 +95,24 @@ def test_a_training_step_replayed_from_a_cuda_graph_is_the_eager_one(name):
     if case.with_h0:
         x["initial_state"] = inputs.h0.to("cuda", torch.float32).requires_grad_(True)
     grads = (inputs.do.to("cuda", case.dtype), inputs.dfinal.to("cuda") if case.with_dht else None)
+    cu = inputs.cu.to("cuda")
 
     def step():
         for t in x.values():
             t.grad = None
         # (cu_seqlens_cpu: no read-back of the lengths, which a capture refuses)
-        o, final = chunk_gated_delta_rule(**x, output_final_state=True, cu_seqlens=inputs.cu.to("cuda"),
-                                          cu_seqlens_cpu=inputs.cu, backend="tilelang", intra_cp=case.intra_cp)
+        o, final = chunk_gated_delta_rule(**x, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=inputs.cu,
+                                          backend="tilelang", intra_cp=case.intra_cp)
         torch.autograd.backward([o, final][: 2 if case.with_dht else 1], [g for g in grads if g is not None])
         return o, final
 
     want = [t.detach().clone() for t in step()] + [t.grad.clone() for t in x.values()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    got = [*outs, *(t.grad for t in x.values())]
+    replay = cuda_graph_replay(step, warmup=2)
+    assert not isinstance(replay, str), replay
+    got = [*replay.outputs, *(t.grad for t in x.values())]
     for t in got:
         t.detach().fill_(float("nan"))
-    graph.replay()
+    replay()
     torch.cuda.synchronize()
     differ = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
     assert not differ, differ
