@@ -1,14 +1,16 @@
-"""Sweep the block sizes of the layer's kernels around the op (`kernels/layer.py`) on one GPU.
+"""Sweep the tuning parameters of the layer's kernels around the op (`kernels/layer.py`) on one GPU.
 
     python tools/tune_layer.py --shapes qwen3_next_1x32k,recipe_1x32k
     python tools/tune_layer.py --shapes qwen3_next_1x32k --kernel-log variants.jsonl   # no GPU needed
 
 Steps: `inputs` (conv + SiLU, l2 norm and gates), `inputs_bwd`, `norm` (gated RMSNorm), `norm_bwd`.
-For each shape of benchmarks/bench_layer.py, each step and each block size in BLOCK_TOKENS: the
-kernel's time (do_bench median) on random inputs, after its outputs are checked against the
-default block size's (per-token outputs bit for bit, parameter gradients summed from per-block
-parts to 1e-5; a mismatch is reported with the timing). One JSON line per setting; tune_layer.json under --out. With --kernel-log nothing
-runs: the variants' kernels are written as a kernel log for `tools/precompile_cache.py --log`.
+For each shape of benchmarks/bench_layer.py, each step and each variant in VARIANTS (block size;
+for the inputs kernels also a register cap for 3 blocks per SM): the kernel's time (do_bench
+median) on random inputs, after its outputs are checked against the default variant's (per-token
+outputs bit for bit, parameter gradients summed from per-block parts to 1e-5; a mismatch is
+reported with the timing). One JSON line per setting; tune_layer.json under --out. With
+--kernel-log nothing runs: the variants' kernels are written as a kernel log for
+`tools/precompile_cache.py --log`.
 """
 
 import argparse
@@ -29,11 +31,17 @@ from flash_qla_cp.kernels.runtime import kernel_log_line  # noqa: E402
 from flash_qla_cp.reference.layer_steps import token_positions  # noqa: E402
 from flash_qla_cp.testing import random_cu_seqlens, rel_err  # noqa: E402
 
-# the sizes each kernel lowers for (the layer-inputs backward adds 16 look-ahead rows to its tile)
-BLOCK_TOKENS = {"inputs": (32, 64, 128), "inputs_bwd": (16, 32, 48, 64), "norm": (16, 32, 64),
-                "norm_bwd": (16, 32, 64)}
-DEFAULTS = {"inputs": steps.INPUTS_BLOCK_TOKENS, "inputs_bwd": steps.INPUTS_BWD_BLOCK_TOKENS,
-            "norm": steps.NORM_BLOCK_TOKENS, "norm_bwd": steps.NORM_BLOCK_TOKENS}
+# kernel parameters each step is timed with (None: the plan's own); the sizes each kernel lowers
+# for (the layer-inputs backward adds 16 look-ahead rows to its tile); blocks_per_sm 3: the inputs
+# kernels at 80 registers (128 by default: two blocks per SM), no spills in ptxas at these sizes
+VARIANTS = {
+    "inputs": (None, {"block_tokens": 32}, {"block_tokens": 128}, {"blocks_per_sm": 3},
+               {"block_tokens": 32, "blocks_per_sm": 3}),
+    "inputs_bwd": (None, {"block_tokens": 16}, {"block_tokens": 48}, {"block_tokens": 64}, {"blocks_per_sm": 3},
+                   {"block_tokens": 16, "blocks_per_sm": 3}),
+    "norm": (None, {"block_tokens": 16}, {"block_tokens": 64}),
+    "norm_bwd": (None, {"block_tokens": 16}, {"block_tokens": 64}),
+}
 PARAMETER_GRADS = {"inputs_bwd": (1,), "norm_bwd": (2,)}  # outputs summed from per-block parts
 
 
@@ -54,11 +62,11 @@ def variant_specs(shape):
     inputs = steps.plan_layer_inputs(lay, 4, "bfloat16", False, grad_parts(lay))
     norm = steps.plan_gated_norm(lay, "bfloat16", 1e-6)
     plans = {"inputs": inputs.forward, "inputs_bwd": inputs.backward, "norm": norm.forward, "norm_bwd": norm.backward}
-    return [plans[step].replace(block_tokens=bt) for step, sizes in BLOCK_TOKENS.items() for bt in sizes]
+    return [plans[step].replace(**(tuning or {})) for step, variants in VARIANTS.items() for tuning in variants]
 
 
 def step_calls(shape, device):
-    """{step: f(block_tokens) -> outputs} on random inputs of `shape`'s layer."""
+    """{step: f(tuning) -> outputs} on random inputs of `shape`'s layer."""
     _, _, _, _, B, T, lengths = SHAPES[shape]
     m = layer_of(shape, device)
     lay = m.projection_layout
@@ -79,20 +87,20 @@ def step_calls(shape, device):
     weights = (m.conv1d.weight, m.A_log, m.dt_bias)
     dP = torch.zeros_like(P)  # every column written (z's from dz), all compared
 
-    def inputs_bwd(bt):
-        rest = steps.op_inputs_backward(*grads, P, lay, *weights, positions, False, dP, block_tokens=bt)
+    def inputs_bwd(tuning):
+        rest = steps.op_inputs_backward(*grads, P, lay, *weights, positions, False, dP, tuning=tuning)
         return (dP.clone(), *rest[:3])
 
     return {
-        "inputs": lambda bt: steps.op_inputs_forward(P, lay, *weights, positions, block_tokens=bt),
+        "inputs": lambda tuning: steps.op_inputs_forward(P, lay, *weights, positions, tuning=tuning),
         "inputs_bwd": inputs_bwd,
-        "norm": lambda bt: (steps.gated_norm_forward(o, P, lay, m.norm.weight, 1e-6, block_tokens=bt),),
-        "norm_bwd": lambda bt: steps.gated_norm_backward(dy, o, P, lay, m.norm.weight, 1e-6, block_tokens=bt),
+        "norm": lambda tuning: (steps.gated_norm_forward(o, P, lay, m.norm.weight, 1e-6, tuning=tuning),),
+        "norm_bwd": lambda tuning: steps.gated_norm_backward(dy, o, P, lay, m.norm.weight, 1e-6, tuning=tuning),
     }
 
 
 def check(step, got, want):
-    """None when `got` matches the default block size's `want`, else what differs."""
+    """None when `got` matches the default variant's `want`, else what differs."""
     for i, (a, b) in enumerate(zip(got, want)):
         if i in PARAMETER_GRADS.get(step, ()):
             if not rel_err(a, b) <= 1e-5:
@@ -105,7 +113,7 @@ def check(step, got, want):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3_next_1x32k,recipe_1x32k")
-    ap.add_argument("--steps", default=",".join(BLOCK_TOKENS))
+    ap.add_argument("--steps", default=",".join(VARIANTS))
     ap.add_argument("--kernel-log", help="only write the variants' kernels to this kernel log (no GPU)")
     ap.add_argument("--out", default=os.environ.get("OUT") or ".")
     args = ap.parse_args(argv)
@@ -120,12 +128,12 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         calls = step_calls(shape, torch.device("cuda"))
         for step in args.steps.split(","):
-            want = [t.clone() for t in calls[step](DEFAULTS[step])]
-            for bt in BLOCK_TOKENS[step]:
-                row = {"shape": shape, "step": step, "block_tokens": bt, "default": bt == DEFAULTS[step]}
-                # timed either way: a mismatch is a difference to look into before a size is adopted
-                row["mismatch"] = check(step, calls[step](bt), want)
-                row["ms"] = round(triton.testing.do_bench(lambda: calls[step](bt), return_mode="median"), 4)
+            want = [t.clone() for t in calls[step](None)]
+            for tuning in VARIANTS[step]:
+                row = {"shape": shape, "step": step, "tuning": tuning or "default"}
+                # timed either way: a mismatch is a difference to look into before a variant is adopted
+                row["mismatch"] = check(step, calls[step](tuning), want)
+                row["ms"] = round(triton.testing.do_bench(lambda: calls[step](tuning), return_mode="median"), 4)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     os.makedirs(args.out, exist_ok=True)

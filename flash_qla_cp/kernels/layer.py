@@ -100,13 +100,14 @@ def _history(P, conv_weight, history):
     return P.new_zeros(conv_weight.shape[-1] - 1, conv_weight.shape[0])
 
 
-def _sized(spec: KernelSpec, block_tokens: int, default: int) -> KernelSpec:
-    """spec with another block size (`tools/tune_layer.py`); the plan's own spec for the default."""
-    return spec if block_tokens == default else spec.replace(block_tokens=block_tokens)
+def _tuned(spec: KernelSpec, tuning: dict | None) -> KernelSpec:
+    """spec with other kernel parameters (`tools/tune_layer.py`: block_tokens, blocks_per_sm); the
+    plan's own spec without."""
+    return spec.replace(**tuning) if tuning else spec
 
 
 def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False, history=None,
-                      block_tokens=INPUTS_BLOCK_TOKENS, with_v=True):
+                      with_v=True, tuning=None):
     """As `reference.layer_steps.op_inputs_forward` (P [NT, width] bf16 / fp16)."""
     plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval, recompute_without_v=not with_v)
     spec = plan.forward if with_v else plan.recompute
@@ -116,7 +117,7 @@ def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_n
     v = P.new_empty(NT if with_v else 1, HV, layout.head_v_dim)  # (without v: a placeholder, not written)
     g = P.new_empty(NT, HV, dtype=torch.float32)
     beta = P.new_empty(NT, HV, dtype=torch.float32)
-    runtime.compile_kernel(_sized(spec, block_tokens, INPUTS_BLOCK_TOKENS))(
+    runtime.compile_kernel(_tuned(spec, tuning))(
         kernel_operand(P), _history(P, conv_weight, history), _fp32(conv_weight.reshape(conv_weight.shape[0], -1)),
         kernel_operand(positions),
         _fp32(A_log), _fp32(dt_bias), q, k, v, g, beta)
@@ -124,7 +125,7 @@ def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_n
 
 
 def op_inputs_backward(dq, dk, dv, dg, dbeta, dz, P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval,
-                       dP, history=None, block_tokens=INPUTS_BWD_BLOCK_TOKENS):
+                       dP, history=None, tuning=None):
     """As `reference.layer_steps.op_inputs_backward` (dq, dk summed or as per-v-head parts, read
     and summed by the kernel)."""
     NT, H, HV = P.shape[0], layout.num_heads, layout.num_v_heads
@@ -133,13 +134,14 @@ def op_inputs_backward(dq, dk, dv, dg, dbeta, dz, P, layout, conv_weight, A_log,
     if parts > 1:
         dq, dk = dq.view(NT, H, parts, -1), dk.view(NT, H, parts, -1)
     C, K = conv_weight.shape[0], conv_weight.shape[-1]
-    blocks = -(-NT // block_tokens)
+    spec = _tuned(plan.backward, tuning)
+    blocks = -(-NT // spec.kwargs["block_tokens"])
     dweight_part = P.new_empty(blocks, C, K, dtype=torch.float32)
     da_tokens = P.new_empty(NT, HV, dtype=torch.float32)
     dA_log_tokens = P.new_empty(NT, HV, dtype=torch.float32)
     dy_head = P.new_empty(K - 1, C, dtype=torch.float32)
     weight = _fp32(conv_weight.reshape(C, K))
-    runtime.compile_kernel(_sized(plan.backward, block_tokens, INPUTS_BWD_BLOCK_TOKENS))(
+    runtime.compile_kernel(spec)(
         kernel_operand(P), _history(P, conv_weight, history), weight, kernel_operand(positions), _fp32(A_log),
         _fp32(dt_bias), kernel_operand(dq.to(P.dtype)), kernel_operand(dk.to(P.dtype)), kernel_operand(dv.to(P.dtype)),
         _fp32(dg), _fp32(dbeta), kernel_operand(dz.reshape(NT, HV, -1).to(P.dtype)), dP, dweight_part, da_tokens,
@@ -163,23 +165,25 @@ def _history_grad(dy_head, weight, positions):
     return torch.einsum("hjc,cj->hc", dy[rows], weight)
 
 
-def gated_norm_forward(o, P, layout, weight, eps, block_tokens=NORM_BLOCK_TOKENS):
+def gated_norm_forward(o, P, layout, weight, eps, tuning=None):
     """As `reference.layer_steps.gated_norm_forward`."""
     plan = plan_gated_norm(layout, tl_dtype(P.dtype), eps)
     y = torch.empty_like(o)
-    runtime.compile_kernel(_sized(plan.forward, block_tokens, NORM_BLOCK_TOKENS))(
+    runtime.compile_kernel(_tuned(plan.forward, tuning))(
         kernel_operand(o.to(P.dtype)), kernel_operand(P), _fp32(weight), y)
     return y.view(o.shape[0], -1)
 
 
-def gated_norm_backward(dy, o, P, layout, weight, eps, block_tokens=NORM_BLOCK_TOKENS):
+def gated_norm_backward(dy, o, P, layout, weight, eps, tuning=None):
     """As `reference.layer_steps.gated_norm_backward`."""
     plan = plan_gated_norm(layout, tl_dtype(P.dtype), eps)
     NT = o.shape[0]
     do = torch.empty_like(o)
     dz = torch.empty(o.shape, dtype=P.dtype, device=P.device)
-    dweight_part = P.new_empty(-(-NT // block_tokens), layout.num_v_heads, layout.head_v_dim, dtype=torch.float32)
-    runtime.compile_kernel(_sized(plan.backward, block_tokens, NORM_BLOCK_TOKENS))(
+    spec = _tuned(plan.backward, tuning)
+    dweight_part = P.new_empty(-(-NT // spec.kwargs["block_tokens"]), layout.num_v_heads, layout.head_v_dim,
+                               dtype=torch.float32)
+    runtime.compile_kernel(spec)(
         kernel_operand(dy.reshape(o.shape).to(P.dtype)), kernel_operand(o), kernel_operand(P), _fp32(weight), do, dz,
         dweight_part)
     return do, dz, dweight_part.sum((0, 1)).to(weight.dtype)

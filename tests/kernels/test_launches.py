@@ -394,8 +394,9 @@ def test_layer_steps_launch_the_block_size_asked_for(block_tokens):
     positions = token_positions(1, NT, None, "cpu")
     with tilelang_path(Launches()) as launches:
         steps.op_inputs_backward(*grads, P, lay, m.conv1d.weight, m.A_log, m.dt_bias, positions, False,
-                                 torch.empty_like(P), block_tokens=block_tokens)
-        steps.gated_norm_backward(o.view(NT, -1), o, P, lay, m.norm.weight, 1e-6, block_tokens=block_tokens)
+                                 torch.empty_like(P), tuning={"block_tokens": block_tokens})
+        steps.gated_norm_backward(o.view(NT, -1), o, P, lay, m.norm.weight, 1e-6,
+                                  tuning={"block_tokens": block_tokens})
     parts = {"build_layer_inputs_bwd_kernel": 13, "build_gated_norm_bwd_kernel": 6}  # dweight_part's argument
     for spec, args in launches.calls:
         assert spec.kwargs["block_tokens"] == block_tokens

@@ -219,20 +219,24 @@ def test_precompile_with_layer_lists_every_kernel_the_layer_benchmark_launches()
 
 
 def test_tune_layer_lists_its_variants_as_a_kernel_log(tmp_path):
-    """tools/tune_layer.py --kernel-log: every step at every block size it sweeps, readable by
-    tools/precompile_cache.py --log (so a GPU call of the sweep compiles nothing)."""
+    """tools/tune_layer.py --kernel-log: every step with every variant it times, readable by
+    tools/precompile_cache.py --log (so a GPU call of the sweep compiles nothing); each step's
+    first variant is the layer's own kernel."""
     import sys
 
     sys.path.insert(0, str(TOOLS))
     import tune_layer
     from precompile_cache import load_log
 
+    from flash_qla_cp import GatedDeltaNet
+    from flash_qla_cp.kernels import layer as steps
+
     log = tmp_path / "variants.jsonl"
     tune_layer.main(["--shapes", "recipe_1x32k", "--kernel-log", str(log)])
     specs = load_log(str(log))
     assert specs == tune_layer.variant_specs("recipe_1x32k")
-    assert len(specs) == sum(len(sizes) for sizes in tune_layer.BLOCK_TOKENS.values())
-    defaults = [s for s in specs if s.kwargs["block_tokens"] == tune_layer.DEFAULTS[
-        {"build_layer_inputs_kernel": "inputs", "build_layer_inputs_bwd_kernel": "inputs_bwd",
-         "build_gated_norm_kernel": "norm", "build_gated_norm_bwd_kernel": "norm_bwd"}[s.name]]]
-    assert len(defaults) == 4  # the plans' own block sizes are among those swept
+    assert len(set(specs)) == len(specs) == sum(len(v) for v in tune_layer.VARIANTS.values())
+    lay = GatedDeltaNet(1024, 8, 16, 128, 128).projection_layout
+    inputs = steps.plan_layer_inputs(lay, 4, "bfloat16", False, 2)
+    norm = steps.plan_gated_norm(lay, "bfloat16", 1e-6)
+    assert {inputs.forward, inputs.backward, norm.forward, norm.backward} <= set(specs)

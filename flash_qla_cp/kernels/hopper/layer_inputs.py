@@ -52,11 +52,13 @@ def conv_macros(T, NT, conv_size: int, acc: str):
 def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_offset: int, q_head_stride: int,
                               k_offset: int, k_head_stride: int, v_offset: int, v_head_stride: int, b_offset: int,
                               b_head_stride: int, a_offset: int, a_head_stride: int, conv_size: int, dtype: str,
-                              allow_neg_eigval: bool, block_tokens: int = 64, with_v: bool = True):
+                              allow_neg_eigval: bool, block_tokens: int = 64, with_v: bool = True,
+                              blocks_per_sm: int = 1):
     """PrimFunc `gdn_layer_inputs(P, history, weight, positions, A_log, dt_bias, q, k, v, g, beta)`:
     P [NT, width], history [conv_size - 1, C] dtype; weight [C, conv_size] fp32 (C = 2 H dk + HV dv,
     channels q, k, v); positions [NT] int32; A_log, dt_bias [HV] fp32 -> q, k [NT, H, dk], v [NT, HV, dv] dtype,
-    g, beta [NT, HV] fp32. Grid (ceil(NT / block_tokens), 2 H + HV), 256 threads. with_v=False:
+    g, beta [NT, HV] fp32. Grid (ceil(NT / block_tokens), 2 H + HV), 256 threads (blocks_per_sm > 1:
+    registers capped so that that many blocks fit an SM; `tools/tune_layer.py` times it). with_v=False:
     no v (a backward whose op kept its chunk states reads none); v is a [1, HV, dv] placeholder,
     and the v-head blocks form only the gates."""
     _, T = import_tilelang()
@@ -105,6 +107,8 @@ def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_o
         beta: T.Tensor((NT, HV), acc),
     ):
         with T.Kernel(T.ceildiv(NT, BT), 2 * H + HV, threads=256) as (bt, slot):
+            if blocks_per_sm > 1:  # (ptxas then keeps to 65536 / (256 x blocks_per_sm) registers)
+                T.annotate_min_blocks_per_sm(blocks_per_sm)
             t0 = bt * BT
             m_s = T.alloc_shared((BT, K), acc)
             xk_s = T.alloc_shared((BT + WINDOW_ROWS, dk), dtype)

@@ -22,7 +22,8 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
                                   k_offset: int, k_head_stride: int, v_offset: int, v_head_stride: int, b_offset: int,
                                   b_head_stride: int, a_offset: int, a_head_stride: int, z_offset: int,
                                   z_head_stride: int, conv_size: int, dtype: str, allow_neg_eigval: bool,
-                                  block_tokens: int = 32, grad_parts: int = 1):
+                                  block_tokens: int = 32, grad_parts: int = 1,
+                                  blocks_per_sm: int = 1):
     """PrimFunc `gdn_layer_inputs_bwd(P, history, weight, positions, A_log, dt_bias, grad_q, grad_k, grad_v, dg,
     dbeta, dz, dP, dweight_part, da_tokens, dA_log_tokens, dy_head)`: inputs as `build_layer_inputs_kernel` plus
     the gradients grad_q, grad_k [NT, H, dk] (with grad_parts > 1: [NT, H, grad_parts, dk], the op's
@@ -32,7 +33,8 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
     dP [NT, width] (dtype), dweight_part [blocks, C, conv_size] and, per
     token, the terms of the dt_bias and A_log gradients, da_tokens and dA_log_tokens [NT, HV], and
     dy_head [conv_size - 1, C] (fp32). Grid (blocks = ceil(NT / block_tokens),
-    2 H + HV), 256 threads."""
+    2 H + HV), 256 threads (blocks_per_sm > 1: registers capped so that that many blocks fit an
+    SM; `tools/tune_layer.py` times it)."""
     _, T = import_tilelang()
     assert 2 <= conv_size <= WINDOW_ROWS, conv_size
     dtype = tl_dtype(dtype)
@@ -129,6 +131,8 @@ def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int,
         dy_head: T.Tensor((W, C), acc),
     ):
         with T.Kernel(T.ceildiv(NT, BT), 2 * H + HV, threads=256) as (bt, slot):
+            if blocks_per_sm > 1:  # (ptxas then keeps to 65536 / (256 x blocks_per_sm) registers)
+                T.annotate_min_blocks_per_sm(blocks_per_sm)
             t0 = bt * BT
             m_s = T.alloc_shared((E, K), acc)
             n_s = T.alloc_shared((BT, K), acc)
