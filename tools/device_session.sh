@@ -16,6 +16,7 @@
 #   decode     benchmarks/bench_decode.py: prefill and decoding with a cache, ours and FLA's (DECODE_ARGS)
 #   tune_split tools/tune_split.py (SHAPES, PARTS)
 #   tune_layer tools/tune_layer.py: block sizes of the layer's kernels around the op (LAYER_SHAPES)
+#   tune_prepare  tools/tune_prepare.py: the prepare kernel's register caps (SHAPES)
 #   profile    tools/profile_kernels.py (SHAPES, INTRA, PROFILE_LIB)
 #   profile_layer  tools/profile_layer.py: per-kernel time of the layer, ours and FLA's (LAYER_SHAPES, LIBS)
 #   host_timeline  tools/host_timeline.py (SHAPE, PASSES, TIMELINE_ARGS e.g. --profile)
@@ -57,6 +58,8 @@ for phase in "$@"; do
                   ${SHAPES:+--shapes "$SHAPES"} ${PARTS:+--parts "$PARTS"} 2>&1 | grep '^{' | cut -c1-400 ;;
     tune_layer) timeout "${BENCH_TIMEOUT:-300}" python tools/tune_layer.py --out "$OUT/tune_layer" \
                   ${LAYER_SHAPES:+--shapes "$LAYER_SHAPES"} 2>&1 | grep '^{' | cut -c1-300 ;;
+    tune_prepare) timeout "${BENCH_TIMEOUT:-200}" python tools/tune_prepare.py --out "$OUT/tune_prepare" \
+                    ${SHAPES:+--shapes "$SHAPES"} 2>&1 | grep '^{' | cut -c1-300 ;;
     profile) timeout 240 python tools/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
                ${INTRA:+--intra "$INTRA"} ${PROFILE_LIB:+--lib "$PROFILE_LIB"} 2>&1 | grep '^{' | cut -c1-1500 ;;
     profile_layer) timeout 300 python tools/profile_layer.py --out "$OUT/profile_layer" \

@@ -240,3 +240,22 @@ def test_tune_layer_lists_its_variants_as_a_kernel_log(tmp_path):
     inputs = steps.plan_layer_inputs(lay, 4, "bfloat16", False, 2)
     norm = steps.plan_gated_norm(lay, "bfloat16", 1e-6)
     assert {inputs.forward, inputs.backward, norm.forward, norm.backward} <= set(specs)
+
+
+def test_tune_prepare_lists_its_variants_as_a_kernel_log(tmp_path):
+    """tools/tune_prepare.py --kernel-log: the prepare kernel of each shape with each register cap,
+    the first being the plans' own (so a GPU call of the sweep compiles nothing)."""
+    import sys
+
+    sys.path.insert(0, str(TOOLS))
+    import tune_prepare
+    from precompile_cache import load_log
+
+    from flash_qla_cp.kernels.backward import plan_backward
+
+    log = tmp_path / "variants.jsonl"
+    tune_prepare.main(["--shapes", "tp1_1x32k,tp1_varlen8_32k", "--kernel-log", str(log)])
+    specs = load_log(str(log))
+    assert specs == tune_prepare.variant_specs("tp1_1x32k") + tune_prepare.variant_specs("tp1_varlen8_32k")
+    assert len(set(specs)) == len(specs) == 2 * len(tune_prepare.BLOCKS_PER_SM)
+    assert plan_backward(16, 32, 128, 128, "bfloat16", 1.0, False, False, 1, 132).prepare in specs

@@ -17,12 +17,14 @@ from .common import CHUNK, LOG2E, import_tilelang, tl_dtype
 
 
 def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, threads: int = 128,
-                         inv_dtype: str = "float16"):
+                         inv_dtype: str = "float16", blocks_per_sm: int = 1):
     """PrimFunc computing G (cumsum of g) and Ag for every chunk and v-head.
 
     Non-varlen arguments: k [B,T,H,K] dtype, g [B,T,HV] fp32, beta [B,T,HV] fp32,
     g_out [B,T,HV] fp32, a_out [B,T,HV,64] dtype.
     Varlen adds cu_seqlens [N+1] int32 and chunk_table [NC,2] int32 (B == 1).
+    blocks_per_sm > 1: registers capped so that that many blocks fit an SM (104 registers now: 4
+    blocks of 128 threads; `tools/tune_prepare.py` times the caps).
     """
     _, T = import_tilelang()
     C = CHUNK
@@ -152,6 +154,8 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
             a_out: T.Tensor((1, Ttot, HV, C), dtype),
         ):
             with T.Kernel(NC, HV, threads=threads) as (bc, bhv):
+                if blocks_per_sm > 1:
+                    T.annotate_min_blocks_per_sm(blocks_per_sm)
                 n = chunk_tab[bc, 0]
                 ci = chunk_tab[bc, 1]
                 s0 = cu_seqlens[n]
@@ -173,6 +177,8 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
         a_out: T.Tensor((B, Tlen, HV, C), dtype),
     ):
         with T.Kernel(T.ceildiv(Tlen, C), B * HV, threads=threads) as (bc, bbh):
+            if blocks_per_sm > 1:
+                T.annotate_min_blocks_per_sm(blocks_per_sm)
             bb = bbh // HV
             bhv = bbh % HV
             t0 = bc * C
