@@ -5,10 +5,10 @@
 
 Steps: `inputs` (conv + SiLU, l2 norm and gates), `inputs_bwd`, `norm` (gated RMSNorm), `norm_bwd`.
 For each shape of benchmarks/bench_layer.py, each step and each variant in VARIANTS (block size;
-for the inputs kernels also a register cap for 3 blocks per SM): the kernel's time (do_bench
-median) on random inputs, after its outputs are checked against the default variant's (per-token
-outputs bit for bit, parameter gradients summed from per-block parts to 1e-5; a mismatch is
-reported with the timing). One JSON line per setting; tune_layer.json under --out. With
+for the inputs kernels and the norm backward also register caps for more blocks per SM): the
+kernel's time (do_bench median) on random inputs, after its outputs are checked against the
+default variant's (per-token outputs bit for bit, parameter gradients summed from per-block parts
+to 1e-5; a mismatch is reported with the timing). One JSON line per setting; tune_layer.json under --out. With
 --kernel-log nothing runs: the variants' kernels are written as a kernel log for
 `tools/precompile_cache.py --log`.
 """
@@ -32,15 +32,17 @@ from flash_qla_cp.reference.layer_steps import token_positions  # noqa: E402
 from flash_qla_cp.testing import random_cu_seqlens, rel_err  # noqa: E402
 
 # kernel parameters each step is timed with (None: the plan's own); the sizes each kernel lowers
-# for (the layer-inputs backward adds 16 look-ahead rows to its tile); blocks_per_sm 3: the inputs
-# kernels at 80 registers (128 by default: two blocks per SM), no spills in ptxas at these sizes
+# for (the layer-inputs backward adds 16 look-ahead rows to its tile); register caps (ptxas,
+# sm_90a): blocks_per_sm 3 puts the inputs kernels at 80 registers (128 by default: two blocks per
+# SM) with no spills at these sizes, 5 / 6 the norm backward at 96 / 80 (112: four blocks of 128
+# threads) with 12 / 100 bytes spilled
 VARIANTS = {
     "inputs": (None, {"block_tokens": 32}, {"block_tokens": 128}, {"blocks_per_sm": 3},
                {"block_tokens": 32, "blocks_per_sm": 3}),
     "inputs_bwd": (None, {"block_tokens": 16}, {"block_tokens": 48}, {"block_tokens": 64}, {"blocks_per_sm": 3},
                    {"block_tokens": 16, "blocks_per_sm": 3}),
     "norm": (None, {"block_tokens": 16}, {"block_tokens": 64}),
-    "norm_bwd": (None, {"block_tokens": 16}, {"block_tokens": 64}),
+    "norm_bwd": (None, {"block_tokens": 16}, {"block_tokens": 64}, {"blocks_per_sm": 5}, {"blocks_per_sm": 6}),
 }
 PARAMETER_GRADS = {"inputs_bwd": (1,), "norm_bwd": (2,)}  # outputs summed from per-block parts
 

@@ -11,10 +11,12 @@ from .common import import_tilelang, tl_dtype
 
 
 def build_gated_norm_bwd_kernel(H: int, HV: int, dv: int, width: int, z_offset: int, z_head_stride: int, eps: float,
-                                dtype: str, block_tokens: int = 32):
+                                dtype: str, block_tokens: int = 32, blocks_per_sm: int = 1):
     """PrimFunc `gdn_gated_norm_bwd(dy, o, P, weight, do, dz, dweight_part)`: dy, o [NT, HV, dv],
     P [NT, width] dtype, weight [dv] fp32 -> do, dz [NT, HV, dv] (dtype),
-    dweight_part [ceil(NT / block_tokens), HV, dv] fp32. Grid (ceil(NT / block_tokens), HV), 128 threads."""
+    dweight_part [ceil(NT / block_tokens), HV, dv] fp32. Grid (ceil(NT / block_tokens), HV), 128 threads
+    (blocks_per_sm > 1: registers capped so that that many blocks fit an SM; `tools/tune_layer.py`
+    times it)."""
     _, T = import_tilelang()
     dtype = tl_dtype(dtype)
     acc = "float32"
@@ -34,6 +36,8 @@ def build_gated_norm_bwd_kernel(H: int, HV: int, dv: int, width: int, z_offset: 
         dweight_part: T.Tensor((NB, HV, dv), acc),
     ):
         with T.Kernel(T.ceildiv(NT, BT), HV, threads=128) as (bt, hv):
+            if blocks_per_sm > 1:
+                T.annotate_min_blocks_per_sm(blocks_per_sm)
             t0 = bt * BT
             col = z_offset + (hv // r) * z_head_stride + (hv % r) * dv
             n_f = T.alloc_fragment((BT, dv), acc)
