@@ -24,9 +24,8 @@ sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "benchmarks")
 
 from bench_kernels import SHAPES, shape_inputs  # noqa: E402
 
-from flash_qla_cp.kernels.forward import run_prepare  # noqa: E402
-from flash_qla_cp.kernels.hopper.prepare import build_prepare_kernel  # noqa: E402
-from flash_qla_cp.kernels.runtime import KernelSpec, kernel_log_line  # noqa: E402
+from flash_qla_cp.kernels.forward import prepare_spec, run_prepare  # noqa: E402
+from flash_qla_cp.kernels.runtime import kernel_log_line  # noqa: E402
 from flash_qla_cp.kernels.tables import chunk_table  # noqa: E402
 
 # 5: 92 registers, no spills; 6: 80, 4 bytes spilled; 8: 64, 24 bytes spilled (ptxas, sm_90a)
@@ -34,9 +33,9 @@ BLOCKS_PER_SM = (1, 5, 6, 8)
 
 
 def variant_specs(shape):
-    """[KernelSpec] of the prepare kernel for `shape` (bf16), one per BLOCKS_PER_SM (1: the default)."""
+    """[KernelSpec] of the prepare kernel for `shape` (bf16), one per BLOCKS_PER_SM (1: the plans' own)."""
     _, _, H, HV, K, _, nseq = SHAPES[shape]
-    spec = KernelSpec.of(build_prepare_kernel, H=H, HV=HV, K=K, dtype="bfloat16", is_varlen=bool(nseq))
+    spec = prepare_spec(H, HV, K, "bfloat16", bool(nseq))
     return [spec if m == 1 else spec.replace(blocks_per_sm=m) for m in BLOCKS_PER_SM]
 
 

@@ -23,7 +23,7 @@ import torch
 from ..constants import CHUNK, KERNEL_GATE_FLOOR
 from ..options import DEFAULT_OPTIONS, KernelOptions
 from . import runtime, split
-from .forward import ForwardSaved, run_prepare
+from .forward import ForwardSaved, prepare_spec, run_prepare
 from .hopper.bwd_dh import build_bwd_dh_kernel
 from .hopper.bwd_dh_ws import build_bwd_dh_ws_kernel
 from .hopper.bwd_fused import build_bwd_fused_ws_kernel
@@ -32,7 +32,6 @@ from .hopper.bwd_grad_wide import build_bwd_grad_wide_kernel
 from .hopper.bwd_h import build_bwd_h_kernel
 from .hopper.bwd_h_ws import build_bwd_h_ws_kernel
 from .hopper.common import tl_dtype
-from .hopper.prepare import build_prepare_kernel
 from .hopper.v_head_sum import build_v_head_sum_kernel
 from .runtime import KernelSpec, as_dtype, grid_fills_gpu, kernel_operand, state_kv_layout
 from .tables import chunk_offsets as chunk_offsets_of
@@ -125,7 +124,7 @@ def plan_backward(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use
     v_head_sum = None
     if v_head_parts and sum_v_heads:
         v_head_sum = KernelSpec.of(build_v_head_sum_kernel, H=H, group=HV // H, K=K, dtype=dtype)
-    prepare = KernelSpec.of(build_prepare_kernel, H=H, HV=HV, K=K, dtype=dtype, is_varlen=True)
+    prepare = prepare_spec(H, HV, K, dtype, True)
     return BackwardPlan(prepare, h_walk, dh_warmup, exit_scan, dh_walk, fused_walk, grad, v_head_parts, v_head_sum)
 
 

@@ -63,6 +63,11 @@ def fused_walk_kernel(walks: int, HV: int, K: int, V: int, sms: int, options: Ke
     return build_fused_fwd_ws_kernel, 16
 
 
+def prepare_spec(H: int, HV: int, K: int, dtype: str, varlen: bool) -> KernelSpec:
+    """The prepare kernel both plans launch (and `tools/tune_prepare.py` times variants of)."""
+    return KernelSpec.of(build_prepare_kernel, H=H, HV=HV, K=K, dtype=dtype, is_varlen=bool(varlen))
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_forward(H: int, HV: int, K: int, V: int, dtype: str, scale: float, varlen: bool, use_initial_state: bool,
                  output_final_state: bool, state_v_first: bool, walks: int, sms: int, split_seqs: int = 0,
@@ -74,7 +79,7 @@ def plan_forward(H: int, HV: int, K: int, V: int, dtype: str, scale: float, varl
     and v - exp(G) k S for the backward (the warp-specialised kernels, K <= 128; ignored else).
     """
     dtype = tl_dtype(dtype)
-    prepare = KernelSpec.of(build_prepare_kernel, H=H, HV=HV, K=K, dtype=dtype, is_varlen=bool(varlen))
+    prepare = prepare_spec(H, HV, K, dtype, varlen)
     factory, block_v = fused_walk_kernel(walks, HV, K, V, sms, options)
     split_specs = None
     if split_seqs:
