@@ -142,15 +142,18 @@ def versions():
 
 
 def to_markdown(meta, rows):
+    runs = meta.get("runs") or [{"date": meta["date"], "command": meta["command"]}]
     lines = [f"# Layer benchmark — {meta['gpu']}, {meta['date']}", "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
-             f"Command: `{meta['command']}`", "",
+             "Commands (each row names the run that measured it):", "",
+             *[f"- {run['date']}: `{run['command']}`" for run in runs], "",
              "Median ms (do_bench on a GPU), fwd without grad, fwd+bwd with input and parameter gradients.", "",
-             "| shape | lib | mode | fwd ms | fwd+bwd ms | fwd+bwd peak GiB | over inputs GiB | note |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| shape | lib | mode | fwd ms | fwd+bwd ms | fwd+bwd peak GiB | over inputs GiB | measured | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['lib']} | {r['mode']} | {r.get('fwd_ms', '-')} | {r.get('fwdbwd_ms', '-')} "
-                     f"| {r.get('fwdbwd_peak_gib', '-')} | {r.get('fwdbwd_peak_over_inputs_gib', '-')} | {r.get('error', '')[:120]} |")
+                     f"| {r.get('fwdbwd_peak_gib', '-')} | {r.get('fwdbwd_peak_over_inputs_gib', '-')} "
+                     f"| {r.get('measured', meta['date'])} | {r.get('error', '')[:120]} |")
     if meta.get("accuracy"):
         lines += ["", f"Our layer in {meta['dtype']} against float64 (relative L2), per output and parameter gradient "
                       "(ours: fused; ours_steps: the step-by-step path):", ""]
@@ -184,7 +187,7 @@ def main():
     for name in args.shapes.split(","):
         for lib in args.libs.split(","):
             for mode in ("eager",) if args.no_compile else ("eager", "compile"):
-                row = {"shape": name, "lib": lib, "mode": mode}
+                row = {"shape": name, "lib": lib, "mode": mode, "measured": meta["date"]}
                 try:
                     row.update(timings(lib, SHAPES[name], device, dtype, mode == "compile"))
                 except Exception as exc:  # noqa: BLE001 - a library that fails is reported, the rest still run
@@ -209,12 +212,15 @@ def write_results(out_dir, meta, rows, merge=None):
         with open(merge) as f:
             earlier = json.load(f)
         done = {(r["shape"], r["lib"], r["mode"]) for r in rows}
-        rows = rows + [r for r in earlier["rows"] if (r["shape"], r["lib"], r["mode"]) not in done]
-        order = list(SHAPES)
-        rows.sort(key=lambda r: (order.index(r["shape"]), r["lib"], r["mode"]))
+        kept = [{"measured": earlier["meta"]["date"], **r} for r in earlier["rows"]
+                if (r["shape"], r["lib"], r["mode"]) not in done]
+        rows = sorted(rows + kept, key=lambda r: (list(SHAPES).index(r["shape"]), r["lib"], r["mode"]))
+        # the runs that measured a row still in the files, each named once
+        measured = {r["measured"] for r in rows}
+        runs = earlier["meta"].get("runs") or [{"date": earlier["meta"]["date"], "command": earlier["meta"]["command"]}]
+        runs = [run for run in runs if run["date"] in measured and run["date"] != meta["date"]]
         meta = {**meta, "accuracy": {**earlier["meta"].get("accuracy", {}), **meta["accuracy"]},
-                "command": meta["command"] + f" (plus the other rows of: {earlier['meta']['command']}, "
-                                             f"{earlier['meta']['date']})"}
+                "runs": runs + [{"date": meta["date"], "command": meta["command"]}]}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench_layer.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -55,8 +55,13 @@ def load_log(path):
 @contextlib.contextmanager
 def recording(sms):
     """Every kernel launch recorded instead of run (a launch that does nothing: outputs stay as
-    allocated), the TileLang backend chosen by the op and the layer; yields the specs in first-use order."""
+    allocated), the TileLang backend chosen by the op and the layer where the GPU would choose it
+    (head dims it takes); yields the specs in first-use order."""
+    from flash_qla_cp.backends import TILELANG_HEAD_DIMS
     from flash_qla_cp.kernels import runtime
+
+    def choose(requested, q, v):
+        return "tilelang" if {q.shape[-1], v.shape[-1]} <= set(TILELANG_HEAD_DIMS) else "torch"
 
     found = {}
 
@@ -69,7 +74,7 @@ def recording(sms):
                             ("sm_count", lambda d: sms)):
             stack.enter_context(mock.patch.object(runtime, name, value))
         for module in ("ops", "api", "modules.fused_mixer", "modules.gated_deltanet"):
-            stack.enter_context(mock.patch(f"flash_qla_cp.{module}.choose_backend", lambda *a: "tilelang"))
+            stack.enter_context(mock.patch(f"flash_qla_cp.{module}.choose_backend", choose))
         yield found
 
 

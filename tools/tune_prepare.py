@@ -33,10 +33,11 @@ BLOCKS_PER_SM = (1, 5, 6, 8)
 
 
 def variant_specs(shape):
-    """[KernelSpec] of the prepare kernel for `shape` (bf16), one per BLOCKS_PER_SM (1: the plans' own)."""
+    """[KernelSpec] of the prepare kernel for `shape` (bf16), one per BLOCKS_PER_SM (1: uncapped;
+    the plans use forward.PREPARE_BLOCKS_PER_SM)."""
     _, _, H, HV, K, _, nseq = SHAPES[shape]
     spec = prepare_spec(H, HV, K, "bfloat16", bool(nseq))
-    return [spec if m == 1 else spec.replace(blocks_per_sm=m) for m in BLOCKS_PER_SM]
+    return [spec.replace(blocks_per_sm=m) for m in BLOCKS_PER_SM]
 
 
 def main(argv=None):

@@ -63,9 +63,16 @@ def fused_walk_kernel(walks: int, HV: int, K: int, V: int, sms: int, options: Ke
     return build_fused_fwd_ws_kernel, 16
 
 
+# Register cap of the prepare kernel (`tools/tune_prepare.py`, H100, 2026-12-05): 104 registers
+# uncapped (four blocks of 128 threads per SM); five blocks (92 registers, no spills) took 0.209 ms
+# instead of 0.216 at TP1 1 x 32k and 0.196 instead of 0.207 at 4 x 8k; eight spill and lose.
+PREPARE_BLOCKS_PER_SM = 5
+
+
 def prepare_spec(H: int, HV: int, K: int, dtype: str, varlen: bool) -> KernelSpec:
     """The prepare kernel both plans launch (and `tools/tune_prepare.py` times variants of)."""
-    return KernelSpec.of(build_prepare_kernel, H=H, HV=HV, K=K, dtype=dtype, is_varlen=bool(varlen))
+    return KernelSpec.of(build_prepare_kernel, H=H, HV=HV, K=K, dtype=dtype, is_varlen=bool(varlen),
+                         blocks_per_sm=PREPARE_BLOCKS_PER_SM)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -200,18 +207,19 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
                              f"on the TileLang backend, got K={K}, V={V}; use intra_cp='auto' or 'off'")
         intra_cp = "off"  # such heads stay whole: the split's scan would not fit in shared memory
     sms = runtime.sm_count(q.device)
-    if intra_cp not in ("off", 1) and Tn > 0 and N > 0:
-        if varlen:  # the one read-back of cu_seqlens (none when the caller passes a CPU copy)
-            cu_host = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.cpu()
-            cu_host = cu_host.tolist() if torch.is_tensor(cu_host) else cu_host
-        else:
-            cu_host = [b * Tn for b in range(B + 1)]
-        plan = split.plan_split(cu_host, HV, V, intra_cp, sms)
-        if varlen:
-            tabs = plan.device_tensors(q.device)  # built from the host offsets, cached with the plan
-            seq_tab, seq_offsets, seq_order = tabs["seq_chunk_table"], tabs["seq_chunk_offsets"], tabs["seq_order"]
-        if plan.is_trivial:
-            plan = None
+    splitting = intra_cp not in ("off", 1) and Tn > 0 and N > 0
+    if varlen and (splitting or cu_seqlens_host is not None):
+        # the one read-back of cu_seqlens (none when the caller passes a CPU copy: then the chunk
+        # tables come from the host too, which keeps the call free of syncs, capturable in a CUDA graph)
+        cu_host = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.cpu()
+        cu_host = cu_host.tolist() if torch.is_tensor(cu_host) else cu_host
+        plan = split.plan_split(cu_host, HV, V, intra_cp if splitting else 1, sms)
+        tabs = plan.device_tensors(q.device)  # built from the host offsets, cached with the plan
+        seq_tab, seq_offsets, seq_order = tabs["seq_chunk_table"], tabs["seq_chunk_offsets"], tabs["seq_order"]
+    elif splitting:
+        plan = split.plan_split([b * Tn for b in range(B + 1)], HV, V, intra_cp, sms)
+    if plan is not None and plan.is_trivial:
+        plan = None
 
     use_h0 = initial_state is not None
     kernels = plan_forward(H, HV, K, V, q.dtype, float(scale), varlen, use_h0, output_final_state, state_v_first,

@@ -441,6 +441,33 @@ def test_layer_reads_cu_seqlens_back_once_per_forward(fused):
     assert HostReads.reads == 1
 
 
+@pytest.mark.parametrize("intra_cp", ["off", "auto"])
+def test_varlen_op_given_a_host_copy_reads_nothing_back(intra_cp):
+    """With cu_seqlens_cpu the op's forward and backward read nothing back from the GPU, split or
+    not (a read-back waits for the queue, and a CUDA graph capture refuses it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScalarReads(TorchDispatchMode):  # .item() / int() of any tensor (here all are CPU tensors)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func == torch.ops.aten._local_scalar_dense.default:
+                HostReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    q, k, v, g, beta = inputs(20101, 16, 32)
+    cu, host = VARLEN_CU.as_subclass(HostReads), VARLEN_CU.clone()
+
+    def call():  # (the second call is counted: the first builds the host plan's cached tables)
+        HostReads.reads = 0
+        with ScalarReads():
+            _, _, saved = tilelang_forward(q, k, v, g, beta, 128**-0.5, None, False, cu, intra_cp=intra_cp,
+                                           cu_seqlens_host=host, save_states=True)
+            return tilelang_backward(torch.zeros_like(v), None, q, k, v, g, beta, 128**-0.5, None, cu, saved)
+
+    _, launches, _ = run_recorded(call)
+    assert "build_bwd_fused_ws_kernel" in launches.names()
+    assert HostReads.reads == 0
+
+
 def test_fused_layer_backward_holds_one_projection_sized_buffer_through_the_op():
     """Peak memory: while the op's backward walks, the only tensor of the projection rows' size
     alive is P itself (kept from the forward); dP is allocated after the op's buffers are freed."""
