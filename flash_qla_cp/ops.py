@@ -15,7 +15,7 @@ import torch
 from .backends import choose_backend
 from .kernels import runtime
 from .kernels.backward import plan_backward, tilelang_backward
-from .kernels.forward import ForwardSaved, tilelang_forward
+from .kernels.forward import ForwardSaved, plan_call, split_setting, splits, tilelang_forward
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .reference.backward import chunk_gated_delta_rule_bwd_reference
 from .reference.chunked import chunk_gated_delta_rule_torch
@@ -76,7 +76,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
             o, final_state, ctx.kernel_saved = tilelang_forward(
                 qn, kn, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first=state_v_first,
                 intra_cp=intra_cp, cu_seqlens_host=cu_seqlens_cpu, save_states=save_states, options=options,
-                backward_plan=_training_backward_plan(q, v, scale, initial_state, options, ctx.v_head_parts)
+                backward_plan=_training_backward_plan(q.shape, v.shape, q.dtype, q.device, scale, initial_state is not None,
+                                                      options, ctx.v_head_parts)
                 if save_states and not output_final_state else None, compile_with=compile_with,
             )
         else:
@@ -86,19 +87,43 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     return o, final_state, ctx
 
 
-def _training_backward_plan(q, v, scale, initial_state, options: KernelOptions, v_head_parts: bool):
+def _training_backward_plan(q_shape, v_shape, dtype, device, scale, use_initial_state: bool, options: KernelOptions,
+                            v_head_parts: bool):
     """The plan the TileLang backward will choose after a forward that keeps its states for it
     and returns no final state (so no final-state gradient): `tilelang_forward` compiles it with
     its own on first use."""
     if not options.tilelang_backward:
         return None
-    H, K, HV, V = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+    H, K, HV, V = q_shape[2], q_shape[3], v_shape[2], v_shape[3]
 
     def plan(walks, split_seqs, states_saved):
-        return plan_backward(H, HV, K, V, q.dtype, float(scale), initial_state is not None, False, walks,
-                             runtime.sm_count(q.device), split_seqs, states_saved, options, not v_head_parts)
+        return plan_backward(H, HV, K, V, dtype, float(scale), use_initial_state, False, walks,
+                             runtime.sm_count(device), split_seqs, states_saved, options, not v_head_parts)
 
     return plan
+
+
+def tilelang_forward_plans(q_shape, v_shape, dtype, device, scale, use_initial_state: bool, output_final_state: bool,
+                           num_seqs: int, cu_seqlens_cpu, intra_cp, save_states: bool, options: KernelOptions,
+                           v_head_parts: bool, compile_with=()) -> tuple:
+    """The kernel plans `chunk_gated_delta_rule_fwd` compiles on first use on the TileLang
+    backend (its forward's, the backward's after a training forward, `compile_with`'s) for a
+    call of these shapes (state_v_first off; varlen: num_seqs sequences, B == 1), known before the
+    call's inputs exist; () where they are not known without reading cu_seqlens back (a varlen
+    split without its host copy)."""
+    B, Tn, H, K = q_shape
+    HV, V = v_shape[2], v_shape[3]
+    varlen = num_seqs is not None
+    N = num_seqs if varlen else B
+    intra_cp = split_setting(intra_cp, K, V)
+    if varlen and cu_seqlens_cpu is None and splits(intra_cp, Tn, N):
+        return ()
+    backward = (_training_backward_plan(q_shape, v_shape, dtype, device, scale, use_initial_state, options,
+                                        v_head_parts) if save_states and not output_final_state else None)
+    call = plan_call(B, Tn, H, HV, K, V, dtype, scale, varlen, N, cu_seqlens_cpu if varlen else None, intra_cp,
+                     use_initial_state, output_final_state, False, save_states, options, runtime.sm_count(device),
+                     backward, compile_with)
+    return (call.kernels, *call.companions)
 
 
 def _through_l2norm(ctx: GDNContext, backward):

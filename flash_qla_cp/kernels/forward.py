@@ -181,6 +181,62 @@ def run_prepare(spec: KernelSpec, k, g, beta, cu_seqlens=None, chunk_tab=None):
     return g_out, a_out, chunk_tab
 
 
+@dataclass(frozen=True)
+class CallPlan:
+    """What a forward call runs, decided on the host before anything launches: the sequences'
+    host plan where their chunk tables come from the host (`tables`), the split (None: not
+    split), the forward's kernels, and the plans compiled with them on first use (`companions`:
+    the backward that will follow, the caller's `compile_with`)."""
+
+    tables: split.SplitPlan | None
+    split: split.SplitPlan | None
+    kernels: ForwardPlan
+    companions: tuple
+
+
+def split_setting(intra_cp, K: int, V: int):
+    """intra_cp as the TileLang forward runs it: heads past `split.SPLIT_MAX_HEAD_DIM` stay whole
+    under 'auto' (the split's scan would not fit in shared memory); asked for explicitly, an error."""
+    if intra_cp not in ("off", 1) and max(K, V) > split.SPLIT_MAX_HEAD_DIM:
+        if intra_cp != "auto":
+            raise ValueError(f"intra-card split (intra_cp={intra_cp!r}) needs head dims <= {split.SPLIT_MAX_HEAD_DIM} "
+                             f"on the TileLang backend, got K={K}, V={V}; use intra_cp='auto' or 'off'")
+        return "off"
+    return intra_cp
+
+
+def splits(intra_cp, Tn: int, N: int) -> bool:
+    """Whether the forward plans a split (it may still find none worth making)."""
+    return intra_cp not in ("off", 1) and Tn > 0 and N > 0
+
+
+def plan_call(B, Tn, H, HV, K, V, dtype, scale, varlen: bool, N: int, cu_host, intra_cp, use_initial_state: bool,
+              output_final_state: bool, state_v_first: bool, save_states: bool, options: KernelOptions, sms: int,
+              backward_plan=None, compile_with=()) -> CallPlan:
+    """The plans of a forward call from its shapes: `tilelang_forward` runs them, and a caller
+    (the fused layer's first call) can compile them before it has the call's inputs.
+
+    cu_host: the sequences' offsets on the host (list or CPU tensor), or None (dense; varlen
+    neither split nor given a host copy); intra_cp as `split_setting` leaves it."""
+    if torch.is_tensor(cu_host):
+        cu_host = cu_host.tolist()
+    tables = plan = None
+    if varlen and cu_host is not None:
+        plan = tables = split.plan_split(cu_host, HV, V, intra_cp if splits(intra_cp, Tn, N) else 1, sms)
+    elif splits(intra_cp, Tn, N):
+        plan = split.plan_split([b * Tn for b in range(B + 1)], HV, V, intra_cp, sms)
+    if plan is not None and plan.is_trivial:
+        plan = None
+    kernels = plan_forward(H, HV, K, V, dtype, float(scale), varlen, use_initial_state, output_final_state,
+                           state_v_first, plan.num_parts if plan else N, sms, N if plan else 0, save_states, options)
+    store_states = kernels.fused.kwargs.get("store_states", False)
+    following = backward_plan(plan.num_parts if plan else N, N if plan else 0, store_states) if backward_plan else None
+    companions = tuple(compile_with(following) if callable(compile_with) else compile_with)
+    if following is not None:
+        companions += (following,)
+    return CallPlan(tables, plan, kernels, companions)
+
+
 def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
                      state_v_first=False, intra_cp="off", cu_seqlens_host=None, save_states=False,
                      options: KernelOptions = DEFAULT_OPTIONS, backward_plan=None, compile_with=()):
@@ -200,36 +256,23 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
     cu = cu_seqlens.to(torch.int32).contiguous() if varlen else None
     N = (cu.shape[0] - 1) if varlen else B
 
-    seq_tab = seq_offsets = seq_order = plan = None
-    if intra_cp not in ("off", 1) and max(K, V) > split.SPLIT_MAX_HEAD_DIM:
-        if intra_cp != "auto":
-            raise ValueError(f"intra-card split (intra_cp={intra_cp!r}) needs head dims <= {split.SPLIT_MAX_HEAD_DIM} "
-                             f"on the TileLang backend, got K={K}, V={V}; use intra_cp='auto' or 'off'")
-        intra_cp = "off"  # such heads stay whole: the split's scan would not fit in shared memory
+    intra_cp = split_setting(intra_cp, K, V)
     sms = runtime.sm_count(q.device)
-    splitting = intra_cp not in ("off", 1) and Tn > 0 and N > 0
-    if varlen and (splitting or cu_seqlens_host is not None):
+    cu_host = None
+    if varlen and (splits(intra_cp, Tn, N) or cu_seqlens_host is not None):
         # the one read-back of cu_seqlens (none when the caller passes a CPU copy: then the chunk
         # tables come from the host too, which keeps the call free of syncs, capturable in a CUDA graph)
         cu_host = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.cpu()
-        cu_host = cu_host.tolist() if torch.is_tensor(cu_host) else cu_host
-        plan = split.plan_split(cu_host, HV, V, intra_cp if splitting else 1, sms)
-        tabs = plan.device_tensors(q.device)  # built from the host offsets, cached with the plan
-        seq_tab, seq_offsets, seq_order = tabs["seq_chunk_table"], tabs["seq_chunk_offsets"], tabs["seq_order"]
-    elif splitting:
-        plan = split.plan_split([b * Tn for b in range(B + 1)], HV, V, intra_cp, sms)
-    if plan is not None and plan.is_trivial:
-        plan = None
-
-    use_h0 = initial_state is not None
-    kernels = plan_forward(H, HV, K, V, q.dtype, float(scale), varlen, use_h0, output_final_state, state_v_first,
-                         plan.num_parts if plan else N, sms, N if plan else 0, save_states, options)
+    call = plan_call(B, Tn, H, HV, K, V, q.dtype, scale, varlen, N, cu_host, intra_cp, initial_state is not None,
+                     output_final_state, state_v_first, save_states, options, sms, backward_plan, compile_with)
+    runtime.compile_plan(call.kernels, *call.companions)  # first use: every kernel of the call at once, in parallel
+    kernels, plan = call.kernels, call.split
     store_states = kernels.fused.kwargs.get("store_states", False)
-    following = backward_plan(plan.num_parts if plan else N, N if plan else 0, store_states) if backward_plan else None
-    companions = tuple(compile_with(following) if callable(compile_with) else compile_with)
-    if following is not None:
-        companions += (following,)
-    runtime.compile_plan(kernels, *companions)  # first use: every kernel of the call at once, in parallel
+    seq_tab = seq_offsets = seq_order = None
+    if call.tables is not None:
+        tabs = call.tables.device_tensors(q.device)  # built from the host offsets, cached with the plan
+        seq_tab, seq_offsets, seq_order = tabs["seq_chunk_table"], tabs["seq_chunk_offsets"], tabs["seq_order"]
+    use_h0 = initial_state is not None
     g_cum, ag, chunk_tab = run_prepare(kernels.prepare, k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
     saved = ForwardSaved(g_cum, ag, chunk_tab, seq_offsets)
     if plan is not None:

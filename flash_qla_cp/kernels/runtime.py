@@ -182,6 +182,11 @@ def precompile(specs, num_workers: int = 8) -> int:
     return len(todo)
 
 
+def compiled(spec: KernelSpec) -> bool:
+    """Whether this process has `spec`'s launcher (compiled or loaded)."""
+    return spec in _launchers
+
+
 def compile_plan(plan, *companions) -> None:
     """Every kernel of a plan (`forward.ForwardPlan`, `backward.BackwardPlan`) compiled at once
     on its first use, in parallel, instead of one after another as the launches reach them, with

@@ -33,9 +33,12 @@ import torch
 
 from ..backends import choose_backend
 from ..kernels import layer as kernel_steps
+from ..kernels import runtime
+from ..kernels.hopper.common import tl_dtype
 from ..ops import (GDNContext, backward_reads_v, backward_will_run, chunk_gated_delta_rule_bwd,
-                   chunk_gated_delta_rule_fwd, put_tensors, take_tensors)
+                   chunk_gated_delta_rule_fwd, put_tensors, take_tensors, tilelang_forward_plans)
 from ..options import DEFAULT_OPTIONS, KernelOptions
+from ..validation import check_options
 from ..reference import layer_steps as torch_steps
 from ..reference.layer_steps import ProjectionLayout, layout_columns, token_positions
 from .short_conv import last_inputs
@@ -82,6 +85,24 @@ def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, backward_plan
                                     states_kept)
 
 
+def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cpu, output_final_state,
+                        config: MixerConfig, step_plans):
+    """A configuration's first call compiles every kernel of its fwd+bwd, the steps' and the op's,
+    in one parallel round before the inputs step runs (else the inputs step's kernel compiles
+    alone first, then the rest with the op: two rounds, the first ~8 s on an H100 machine)."""
+    lay = config.layout
+    inputs = kernel_steps.plan_layer_inputs(lay, conv_weight.shape[-1], tl_dtype(P.dtype), bool(config.allow_neg_eigval))
+    if runtime.compiled(inputs.forward):
+        return
+    B, T = P.shape[:2]
+    op_plans = tilelang_forward_plans(
+        (B, T, lay.num_heads, lay.head_k_dim), (B, T, lay.num_v_heads, lay.head_v_dim), P.dtype, P.device, config.scale,
+        initial_state is not None, output_final_state, None if cu_seqlens is None else cu_seqlens.shape[0] - 1,
+        cu_seqlens_cpu, config.intra_cp, config.save_states, check_options(config.kernel_options), True, step_plans)
+    if op_plans:  # (with the steps' plans; else not known before the op reads cu_seqlens back: two rounds)
+        runtime.compile_plan(*op_plans)
+
+
 def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig,
              cu_seqlens_cpu=None, output_final_state=False, positions=None):
     """(y [B, T, HV * dv], o [B, T, HV, dv], the op's context without its inputs, token positions,
@@ -90,9 +111,11 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     B, T, width = P.shape
     lay = config.layout
     steps = _steps(config, conv_weight.shape[-1])
-    # on the first call the op compiles the steps' kernels with its own (one round: the inputs
-    # step's forward kernel, which runs before the op, compiles on its own ahead of it)
+    # on the first call the op compiles the steps' kernels with its own
     step_plans = partial(_kernel_step_plans, config, conv_weight.shape[-1], P.dtype) if steps is kernel_steps else ()
+    if steps is kernel_steps:
+        _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cpu, output_final_state, config,
+                            step_plans)
     rows = P.view(B * T, width)
     if positions is None:
         positions = token_positions(B, T, cu_seqlens, P.device)

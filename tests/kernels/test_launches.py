@@ -549,10 +549,10 @@ def test_gpu_cp_case_host_path_runs_and_matches_its_kernels(intra_cp, exact):
 
 @pytest.mark.parametrize("lengths", [(40000, 25536), (4096, 1, 300)], ids=["split", "unsplit"])
 def test_fused_layer_compiles_only_kernels_it_launches(lengths):
-    """A training step of the fused layer compiles its kernels in one round ahead of their launches
-    (the op's forward with the backward it predicts and both layer steps; only the inputs step's
-    forward kernel, which runs before the op, compiles on its own first): every kernel compiled
-    is launched in that step, so no round spends minutes on a kernel the step does not use."""
+    """A training step of the fused layer compiles all its kernels in one round before the first
+    launch (the op's forward with the backward it predicts and both layer steps, the inputs
+    step's forward kernel included): every kernel compiled is launched in that step, so no round
+    spends minutes on a kernel the step does not use."""
     from flash_qla_cp.kernels.layer import StepPlan
 
     from flash_qla_cp import GatedDeltaNet
@@ -560,17 +560,23 @@ def test_fused_layer_compiles_only_kernels_it_launches(lengths):
     m = GatedDeltaNet(256, 2, 4, 128, 128, intra_cp="auto").to(torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     x = torch.zeros(1, sum(lengths), 256, dtype=torch.bfloat16, requires_grad=True)
-    with tilelang_chosen("ops", "modules.fused_mixer", "modules.gated_deltanet"):
-        _, launches, _ = run_recorded(lambda: m(x, cu_seqlens=cu).float().sum().backward())
+    launches = Launches()
+    compile_plan, launched_before = launches.compile_plan, []
+    launches.compile_plan = lambda *plans: launched_before.append(len(launches.calls)) or compile_plan(*plans)
+    with tilelang_path(launches, ("ops", "modules.fused_mixer", "modules.gated_deltanet")):
+        m(x, cu_seqlens=cu).float().sum().backward()
     launched = {spec for spec, _ in launches.calls}
     compiled = {spec for plans in launches.plans for plan in plans for spec in plan.specs()}
     assert compiled and compiled <= launched, sorted(s.name for s in compiled - launched)
     ready, rounds = set(), []  # the compile_plan calls that would compile something (runtime's rule)
-    for plans in launches.plans:
+    for plans, launches_so_far in zip(launches.plans, launched_before):
         if any(p not in ready for p in plans):
-            rounds.append(plans)
+            rounds.append((plans, launches_so_far))
             ready.update(plans)
-    assert len(rounds) == 1 and sum(isinstance(p, StepPlan) for p in rounds[0]) == 2
+    assert len(rounds) == 1 and rounds[0][1] == 0  # one round, before anything launched
+    assert launched == compiled
+    rounds = [plans for plans, _ in rounds]
+    assert sum(isinstance(p, StepPlan) for p in rounds[0]) == 2
     step_kernels = {spec for p in rounds[0] if isinstance(p, StepPlan) for spec in p.specs()}
     assert {s.name for s in step_kernels} == {"build_layer_inputs_kernel", "build_layer_inputs_bwd_kernel",
                                               "build_gated_norm_kernel", "build_gated_norm_bwd_kernel"}
