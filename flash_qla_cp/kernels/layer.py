@@ -79,6 +79,16 @@ def plan_gated_norm(layout, dtype: str, eps: float) -> StepPlan:
                                   blocks_per_sm=NORM_BWD_BLOCKS_PER_SM, **params))
 
 
+@dataclass(frozen=True)
+class ForwardSteps:
+    """The forward kernels of step plans alone: what an inference call compiles."""
+
+    plans: tuple
+
+    def specs(self) -> tuple:
+        return tuple(p.forward for p in self.plans)
+
+
 def layer_plans(layout, conv_size: int, dtype, allow_neg_eigval: bool, norm_eps: float, grad_parts: int = 1,
                 recompute_without_v: bool = False) -> tuple:
     """Both steps' plans: what a layer's first call compiles together, with the op's kernels where

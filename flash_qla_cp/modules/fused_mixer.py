@@ -72,8 +72,9 @@ def _steps(config: MixerConfig, conv_size: int = 0):
     return kernel_steps if config.backend == "tilelang" and kernels_reach else torch_steps
 
 
-def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, backward_plan) -> tuple:
-    """The layer steps' kernel plans for the op's backward plan (None where the forward does not know it)."""
+def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, training: bool, backward_plan) -> tuple:
+    """The layer steps' kernel plans for the op's backward plan (None where the forward does not
+    know it); their forward kernels alone where no backward follows (not training)."""
     lay = config.layout
     # the inputs step's backward reads dq, dk as the op's backward leaves them: per-v-head parts
     # where its kernels write them so (GVA, the fused walk: assumed where the plan is not known)
@@ -81,8 +82,9 @@ def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, backward_plan
     parts = lay.num_v_heads // lay.num_heads if writes_parts else 1
     # after a forward that keeps its chunk states the backward re-forms the op's inputs without v
     states_kept = backward_plan is not None and backward_plan.h_walk is None
-    return kernel_steps.layer_plans(lay, conv_size, dtype, config.allow_neg_eigval, config.norm_eps, parts,
-                                    states_kept)
+    plans = kernel_steps.layer_plans(lay, conv_size, dtype, config.allow_neg_eigval, config.norm_eps, parts,
+                                     states_kept)
+    return plans if training else (kernel_steps.ForwardSteps(plans),)
 
 
 def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cpu, output_final_state,
@@ -104,15 +106,17 @@ def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cp
 
 
 def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig,
-             cu_seqlens_cpu=None, output_final_state=False, positions=None):
+             cu_seqlens_cpu=None, output_final_state=False, positions=None, training=True):
     """(y [B, T, HV * dv], o [B, T, HV, dv], the op's context without its inputs, token positions,
     the op's final states [N, HV, dk, dv] or None). positions: the rows' token positions where the
-    caller has them, else formed from cu_seqlens."""
+    caller has them, else formed from cu_seqlens. training: a backward follows (a first call then
+    compiles the backward's kernels too)."""
     B, T, width = P.shape
     lay = config.layout
     steps = _steps(config, conv_weight.shape[-1])
     # on the first call the op compiles the steps' kernels with its own
-    step_plans = partial(_kernel_step_plans, config, conv_weight.shape[-1], P.dtype) if steps is kernel_steps else ()
+    step_plans = (partial(_kernel_step_plans, config, conv_weight.shape[-1], P.dtype, training)
+                  if steps is kernel_steps else ())
     if steps is kernel_steps:
         _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cpu, output_final_state, config,
                             step_plans)
@@ -266,7 +270,7 @@ def fused_mixer(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig
         # inference: the forward alone, keeping nothing for a backward
         config = _resolved(replace(config, save_states=False), P)
         return _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
-                        cu_seqlens_cpu, positions=positions)[0]
+                        cu_seqlens_cpu, positions=positions, training=False)[0]
     return FusedMixer.apply(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
                             cu_seqlens_cpu)
 
@@ -280,7 +284,7 @@ def fused_mixer_with_states(P, conv_weight, A_log, dt_bias, norm_weight, config:
     and each sequence's last K - 1 rows [N, K - 1] (every sequence then has that many)."""
     config = _resolved(replace(config, save_states=False), P)
     y, _, _, _, final = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
-                                 cu_seqlens_cpu, output_final_state=True, positions=positions)
+                                 cu_seqlens_cpu, output_final_state=True, positions=positions, training=False)
     conv_cols = layout_columns(config.layout, "conv", P.device)
     if last_rows is None:
         conv_state = last_inputs(P, cu_seqlens, conv_weight.shape[-1] - 1)[:, conv_cols]

@@ -582,6 +582,22 @@ def test_fused_layer_compiles_only_kernels_it_launches(lengths):
                                               "build_gated_norm_kernel", "build_gated_norm_bwd_kernel"}
 
 
+@pytest.mark.parametrize("use_cache", [False, True], ids=["forward", "prefill"])
+def test_fused_layer_inference_compiles_no_backward_kernel(use_cache):
+    """Under no_grad (a forward, a prompt's prefill with the cache out) the first call's one round
+    compiles the kernels the call launches and no backward kernel (minutes of compilation that
+    inference would never use)."""
+    from flash_qla_cp import GatedDeltaNet
+
+    m = GatedDeltaNet(256, 2, 4, 128, 128).to(torch.bfloat16).eval()
+    launches = Launches()
+    with torch.no_grad(), tilelang_path(launches, ("ops", "modules.fused_mixer", "modules.gated_deltanet")):
+        m(torch.zeros(2, 300, 256, dtype=torch.bfloat16), use_cache=use_cache)
+    compiled = {spec for plans in launches.plans for plan in plans for spec in plan.specs()}
+    assert compiled == {spec for spec, _ in launches.calls}
+    assert not any("bwd" in spec.name for spec in compiled)
+
+
 def test_fused_layer_under_a_cp_context_launches_match_their_kernels():
     """The fused layer's CP form (layer inputs with the conv halo, the CP op, the gated norm) on the
     TileLang path of a single-process context: its kernels, in order, with their signatures."""
