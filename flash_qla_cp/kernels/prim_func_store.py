@@ -52,10 +52,10 @@ def prim_func(spec):
     try:
         with open(path) as f:
             func = ir.load_json(f.read())
-        if isinstance(func, ir.BaseFunc):
-            return func
-    except Exception:  # (none saved yet, or a damaged entry: built again)
-        pass
+    except Exception:  # noqa: BLE001 - none saved yet, or a damaged entry: built again below
+        func = None
+    if isinstance(func, ir.BaseFunc):
+        return func
     func = spec.build()
     if isinstance(func, ir.BaseFunc):  # (not a test's stand-in)
         _save(path, ir.save_json(func))

@@ -38,9 +38,9 @@ from ..kernels.hopper.common import tl_dtype
 from ..ops import (GDNContext, backward_reads_v, backward_will_run, chunk_gated_delta_rule_bwd,
                    chunk_gated_delta_rule_fwd, put_tensors, take_tensors, tilelang_forward_plans)
 from ..options import DEFAULT_OPTIONS, KernelOptions
-from ..validation import check_options
 from ..reference import layer_steps as torch_steps
 from ..reference.layer_steps import ProjectionLayout, layout_columns, token_positions
+from ..validation import check_options
 from .short_conv import last_inputs
 
 
