@@ -16,8 +16,10 @@ per output and parameter gradient. Writes bench_layer.json and bench_layer.md in
 """
 
 import argparse
+import contextlib
 import gc
 import json
+import logging
 import os
 import statistics
 import sys
@@ -74,6 +76,29 @@ def median_ms(fn, device, reps=20):
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def fla_dispatch_log():
+    """FLA's backend choices while active ('[FLA Backend] op -> backend', or why a backend was
+    rejected), as FLA logs them once per choice: which kernels FLA's layer ran."""
+    seen = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if "[FLA Backend]" in message:
+                seen.append(message.replace("[FLA Backend] ", "")[:200])
+
+    logger = logging.getLogger("fla.backends")
+    handler, level = Lines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def timings(lib, shape, device, dtype, compiled):
     hidden, H, HV, D, B, T, lengths = shape
     layer = make_layer(lib, hidden, H, HV, D, device, dtype)
@@ -92,7 +117,10 @@ def timings(lib, shape, device, dtype, compiled):
         layer.zero_grad(set_to_none=True)
         run(xg).backward(dy)
 
-    row = {"fwd_ms": round(median_ms(fwd, device), 3), "fwdbwd_ms": round(median_ms(fwdbwd, device), 3)}
+    with fla_dispatch_log() as dispatch:
+        row = {"fwd_ms": round(median_ms(fwd, device), 3), "fwdbwd_ms": round(median_ms(fwdbwd, device), 3)}
+    if dispatch:
+        row["fla_dispatch"] = dispatch
     if device.type == "cuda":
         # one fwd+bwd from a clean state: what the timing loop left for the garbage collector
         # (autograd graphs in reference cycles) would otherwise count towards the peak
@@ -154,6 +182,9 @@ def to_markdown(meta, rows):
         lines.append(f"| {r['shape']} | {r['lib']} | {r['mode']} | {r.get('fwd_ms', '-')} | {r.get('fwdbwd_ms', '-')} "
                      f"| {r.get('fwdbwd_peak_gib', '-')} | {r.get('fwdbwd_peak_over_inputs_gib', '-')} "
                      f"| {r.get('measured', meta['date'])} | {r.get('error', '')[:120]} |")
+    dispatch = sorted({line for r in rows for line in r.get("fla_dispatch", ())})
+    if dispatch:
+        lines += ["", "FLA's backend dispatch, as FLA logged it: " + "; ".join(f"`{line}`" for line in dispatch)]
     if meta.get("accuracy"):
         lines += ["", f"Our layer in {meta['dtype']} against float64 (relative L2), per output and parameter gradient "
                       "(ours: fused; ours_steps: the step-by-step path):", ""]
