@@ -73,7 +73,7 @@ def recording(sms):
         for name, value in (("compile_kernel", record), ("compile_plan", lambda *p: None),
                             ("sm_count", lambda d: sms)):
             stack.enter_context(mock.patch.object(runtime, name, value))
-        for module in ("ops", "api", "modules.fused_mixer", "modules.gated_deltanet"):
+        for module in ("ops", "api", "parallel.dual", "modules.fused_mixer", "modules.gated_deltanet"):
             stack.enter_context(mock.patch(f"flash_qla_cp.{module}.choose_backend", choose))
         yield found
 
@@ -105,18 +105,24 @@ def bench_shape_specs(names, sms=132):
 
 
 def gpu_test_specs(sms=132):
-    """[KernelSpec] of tests/gpu/test_op.py: each case once, the quick cases with each option, the
-    second-backward cases."""
+    """[KernelSpec] of tests/gpu/test_op.py (each case once, the quick cases with each option, the
+    second-backward cases) and of tests/gpu/test_cp.py's single-process contexts."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    import test_cp
     import test_op
     from gdn_checks import make_inputs, run_op
 
-    jobs = [(name, {}) for name in test_op.CASES]
-    jobs += [(name, test_op.OPTIONS[o]) for name in test_op.QUICK for o in test_op.OPTIONS if o != "default"]
-    jobs += [(name, test_op.SECOND_BACKWARD_OPTIONS) for name in test_op.SECOND_BACKWARD]
+    from flash_qla_cp import CPContext
+
+    jobs = [(test_op.CASES[name], {}) for name in test_op.CASES]
+    jobs += [(test_op.CASES[name], test_op.OPTIONS[o]) for name in test_op.QUICK for o in test_op.OPTIONS
+             if o != "default"]
+    jobs += [(test_op.CASES[name], test_op.SECOND_BACKWARD_OPTIONS) for name in test_op.SECOND_BACKWARD]
+    cu = make_inputs(test_cp.CASE).cu
+    jobs += [(test_cp.CASE, {"cp_context": CPContext.single(cu, intra_cp=intra_cp, intra_exact=exact)})
+             for intra_cp, exact in ((8, True), ("auto", False))]
     with recording(sms) as found:
-        for name, options in jobs:
-            case = test_op.CASES[name]
+        for case, options in jobs:
             run_op(case, make_inputs(case), "cpu", "tilelang", **options)
     return list(found)
 
