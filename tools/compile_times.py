@@ -4,14 +4,15 @@ named) and the seconds of the rest of the build (CUDA code generation, nvcc, the
 on this machine: no GPU needed, nvcc is.
 
     python tools/compile_times.py [--shape qwen3_next_1x32k] [--passes 3] [--out DIR]
-    python tools/compile_times.py --first-call [--shape qwen3_next_1x32k]
+    python tools/compile_times.py --first-call [--shape qwen3_next_1x32k] [--cache DIR]
 
 Kernels compile one after another into a fresh TileLang cache, so each time is one core's; the
 first call of a new head configuration compiles them in parallel (`runtime.compile_plan`), so
 its wall time is about the slowest kernel's. Prints a JSON line per kernel and writes
 compile_times.json into --out when given. --first-call instead runs that first fwd+bwd as the
 layer does (its rounds of parallel compilation into a fresh cache, on this machine's cores), the
-launches skipped, and prints each round's kernels and seconds.
+launches skipped, and prints each round's kernels and seconds; with --cache, into that cache (a
+warm start: the kernels load, their PrimFuncs come from the store beside it).
 """
 
 import argparse
@@ -100,8 +101,11 @@ def main():
     ap.add_argument("--passes", type=int, default=3, help="slowest lowering passes listed per kernel")
     ap.add_argument("--out", help="folder for compile_times.json")
     ap.add_argument("--first-call", action="store_true", help="time the layer's first fwd+bwd (see above)")
+    ap.add_argument("--cache", help="with --first-call: this TileLang cache directory (a warm start) instead of a "
+                                    "fresh one")
     args = ap.parse_args()
-    os.environ["TILELANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="compile_times_")  # before tilelang is imported
+    # before tilelang is imported
+    os.environ["TILELANG_CACHE_DIR"] = args.cache or tempfile.mkdtemp(prefix="compile_times_")
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
