@@ -23,8 +23,8 @@
 #   ncu        ncu stall samples of one kernel (NCU_KERNEL, SHAPE, NCU_NAME), read with tools/ncu_stalls.py
 #   long_seq   the long-sequence training ladder with activation checkpointing (SEQ_LENS, STEPS; CKPT=0 without)
 #   cold_start benchmarks/bench_cold_start.py (COLD_ARGS, e.g. --no-precompile)
-#   compile_times  tools/compile_times.py --first-call on SHAPE (a bench_layer shape); PER_KERNEL=1 adds
-#              each kernel's lowering and build times
+#   compile_times  tools/compile_times.py --first-call on SHAPE (a bench_layer shape), into an empty cache
+#              and then the carried one; PER_KERNEL=1 adds each kernel's lowering and build times
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # several invocations in one device call (different options per phase) unpack once
@@ -87,6 +87,9 @@ for phase in "$@"; do
                   2>&1 | grep '^{' | cut -c1-300 ;;
     compile_times)  # where a cold first call's time goes on this machine: rounds (--first-call), then per kernel
       timeout "${BENCH_TIMEOUT:-300}" python tools/compile_times.py --first-call --shape "${SHAPE:-qwen3_next_1x32k}" \
+        2>&1 | grep '^{' | cut -c1-600
+      # the same first call on the carried cache (a warm start)
+      timeout 120 python tools/compile_times.py --first-call --shape "${SHAPE:-qwen3_next_1x32k}" --cache /tmp/tlcache \
         2>&1 | grep '^{' | cut -c1-600
       [ -n "${PER_KERNEL:-}" ] && timeout "${BENCH_TIMEOUT:-300}" python tools/compile_times.py \
         --shape "${SHAPE:-qwen3_next_1x32k}" --out "$OUT/compile_times" 2>&1 | grep '^{' | cut -c1-300 ;;
