@@ -107,8 +107,9 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return kernel_operand(t.float())
 
 
-def _inputs_plan(P, layout, conv_weight, allow_neg_eigval, grad_parts=1, recompute_without_v=False):
-    """(A step compiles the kernel it launches on first use, unless its plan was compiled ahead.)"""
+def inputs_plan(P, layout, conv_weight, allow_neg_eigval, grad_parts=1, recompute_without_v=False):
+    """The inputs step's plan for projection rows P. (A step compiles the kernel it launches on
+    first use, unless its plan was compiled ahead.)"""
     return plan_layer_inputs(layout, conv_weight.shape[-1], tl_dtype(P.dtype), bool(allow_neg_eigval), grad_parts,
                              recompute_without_v)
 
@@ -129,7 +130,7 @@ def _tuned(spec: KernelSpec, tuning: dict | None) -> KernelSpec:
 def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False, history=None,
                       with_v=True, tuning=None):
     """As `reference.layer_steps.op_inputs_forward` (P [NT, width] bf16 / fp16)."""
-    plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval, recompute_without_v=not with_v)
+    plan = inputs_plan(P, layout, conv_weight, allow_neg_eigval, recompute_without_v=not with_v)
     spec = plan.forward if with_v else plan.recompute
     NT, H, HV = P.shape[0], layout.num_heads, layout.num_v_heads
     q = P.new_empty(NT, H, layout.head_k_dim)
@@ -150,7 +151,7 @@ def op_inputs_backward(dq, dk, dv, dg, dbeta, dz, P, layout, conv_weight, A_log,
     and summed by the kernel)."""
     NT, H, HV = P.shape[0], layout.num_heads, layout.num_v_heads
     parts = dq.shape[1] // H
-    plan = _inputs_plan(P, layout, conv_weight, allow_neg_eigval, parts)
+    plan = inputs_plan(P, layout, conv_weight, allow_neg_eigval, parts)
     if parts > 1:
         dq, dk = dq.view(NT, H, parts, -1), dk.view(NT, H, parts, -1)
     C, K = conv_weight.shape[0], conv_weight.shape[-1]

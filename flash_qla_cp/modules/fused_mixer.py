@@ -34,7 +34,6 @@ import torch
 from ..backends import choose_backend
 from ..kernels import layer as kernel_steps
 from ..kernels import runtime
-from ..kernels.hopper.common import tl_dtype
 from ..ops import (GDNContext, backward_reads_v, backward_will_run, chunk_gated_delta_rule_bwd,
                    chunk_gated_delta_rule_fwd, put_tensors, take_tensors, tilelang_forward_plans)
 from ..options import DEFAULT_OPTIONS, KernelOptions
@@ -93,8 +92,7 @@ def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cp
     in one parallel round before the inputs step runs (else the inputs step's kernel compiles
     alone first, then the rest with the op: two rounds, the first ~8 s on an H100 machine)."""
     lay = config.layout
-    inputs = kernel_steps.plan_layer_inputs(lay, conv_weight.shape[-1], tl_dtype(P.dtype), bool(config.allow_neg_eigval))
-    if runtime.compiled(inputs.forward):
+    if runtime.compiled(kernel_steps.inputs_plan(P, lay, conv_weight, config.allow_neg_eigval).forward):
         return
     B, T = P.shape[:2]
     op_plans = tilelang_forward_plans(
