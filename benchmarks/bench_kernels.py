@@ -15,8 +15,10 @@ Libraries (same inputs, same process, same timing method):
             FLA_DISABLE_BACKEND_DISPATCH=1 set before import so FLA's own kernels run
 
 Usage:  python benchmarks/bench_kernels.py [--shapes a,b] [--libs ours,flashqla,fla] [--no-bwd]
-        [--out DIR] [--rep MS] [--graphs]
+        [--out DIR] [--rep MS] [--graphs] [--merge EARLIER.json]
 Writes bench_kernels.json and bench_kernels.md into DIR (default $OUT, else benchmarks/results).
+--merge keeps the earlier file's rows of shapes this run does not measure (each row names the run
+that measured it; the speed-ups compare rows of one shape, so always of one process).
 
 Accuracy: every library's forward output and final state are compared with the torch chunked
 reference computed in float32 on the same GPU (relative L2 error, columns o_err / ht_err).
@@ -61,6 +63,7 @@ SHAPES = {
     "tp1_varlen_skew_32k": (1, 32768, 16, 32, 128, 128, (24576,) + (1024,) * 8),
     "tp8_1x32k": (1, 32768, 2, 4, 128, 128, None),
     "tp8_1x128k": (1, 131072, 2, 4, 128, 128, None),
+    "tp4_1x64k": (1, 65536, 4, 8, 128, 128, None),
 }
 
 
@@ -319,6 +322,8 @@ def main():
     ap.add_argument("--graphs", action="store_true", help="also time replays of CUDA-graph captured calls")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms of timed launches)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--merge", default=None,
+                    help="an earlier bench_kernels.json whose rows of the shapes not run here are kept")
     ap.add_argument("--md-from", default=None,
                     help="only rebuild the markdown table from this bench_kernels.json (no GPU needed)")
     args = ap.parse_args()
@@ -333,6 +338,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     libs = [x for x in args.libs.split(",") if x]
     shapes = [x for x in args.shapes.split(",") if x]
+    if set(shapes) - set(SHAPES):
+        ap.error(f"--shapes: unknown {sorted(set(shapes) - set(SHAPES))}; known: {', '.join(SHAPES)}")
 
     meta = {
         "gpu": torch.cuda.get_device_name(),
@@ -412,11 +419,32 @@ def main():
         del q, k, v, g, beta
         torch.cuda.empty_cache()
 
+    if args.merge:
+        with open(args.merge) as f:
+            meta, rows = merged_results(meta, rows, json.load(f))
     with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     with open(os.path.join(args.out, "bench_kernels.md"), "w") as f:
         f.write(to_markdown(meta, rows))
     print(to_markdown(meta, rows))
+
+
+def merged_results(meta, rows, earlier):
+    """(meta, rows) of this run plus the rows of `earlier` (a bench_kernels.json) for shapes this run
+    did not measure. Each row names its run (`measured`: the run's date); meta["runs"] lists the runs
+    that still have rows, each once, with its command and the peaks its % of floor used."""
+    here = {r["shape"] for r in rows}
+    kept = [{"measured": earlier["meta"]["date"], **r} for r in earlier["rows"] if r["shape"] not in here]
+    rows = [{"measured": meta["date"], **r} for r in rows] + kept
+    rows.sort(key=lambda r: list(SHAPES).index(r["shape"]) if r["shape"] in SHAPES else len(SHAPES))
+
+    def run_of(m):
+        return {k: m[k] for k in ("date", "command", "matmul_tflops", "copy_gbps") if k in m}
+
+    runs = earlier["meta"].get("runs") or [run_of(earlier["meta"])]
+    measured = {r["measured"] for r in rows}
+    runs = [run for run in runs if run["date"] in measured and run["date"] != meta["date"]] + [run_of(meta)]
+    return {**meta, "runs": runs}, rows
 
 
 def _fmt(row, key, nd=3):
@@ -430,15 +458,19 @@ def to_markdown(meta, rows, partial=False):
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         "",
-        f"Command: `{meta.get('command', 'python benchmarks/bench_kernels.py')}`",
+        (f"Command: `{meta.get('command', 'python benchmarks/bench_kernels.py')}`" if "runs" not in meta else
+         "Runs (each row's `measured` names its run; a shape's rows come from one run, one process):\n\n"
+         + "\n".join(f"- {run['date']}: `{run['command']}`" + (
+             f" (peaks {run['matmul_tflops']:.0f} TFLOP/s, {run['copy_gbps']:.0f} GB/s)" if "matmul_tflops" in run else "")
+                   for run in meta["runs"])),
         "",
         f"Timing: {meta['timing']}. TFLOP/s and GB/s use the counts documented in bench_kernels.py "
         "(fwd+bwd FLOPs = 3x fwd).",
         "",
         ("% of floor: the time the work cannot go below (its FLOPs at the bf16 matmul rate or its bytes at "
-         "the copy bandwidth, whichever is longer, both measured in this run: "
-         f"{meta['matmul_tflops']:.0f} TFLOP/s, {meta['copy_gbps']:.0f} GB/s) over the measured time."
-         if "matmul_tflops" in meta else "% of floor: not measured in this run."),
+         "the copy bandwidth, whichever is longer, both measured in the row's run"
+         + ("" if "runs" in meta else f": {meta['matmul_tflops']:.0f} TFLOP/s, {meta['copy_gbps']:.0f} GB/s")
+         + ") over the measured time." if "matmul_tflops" in meta else "% of floor: not measured in this run."),
         "",
         "Speed-up columns: FlashQLA's time / this library's time on the same shape (> 1: faster than "
         "FlashQLA). o err / ht err: relative L2 error of the output / final state against the float32 "

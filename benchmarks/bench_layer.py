@@ -1,6 +1,6 @@
 """The Gated DeltaNet layer side by side: ours (`flash_qla_cp.GatedDeltaNet`) against FLA's
-(`fla.layers.GatedDeltaNet`, flash-linear-attention, its default dispatch: FlashQLA's kernels
-inside on Hopper), in one process on the same input; `ours_steps` is our layer forced onto its
+(`fla.layers.GatedDeltaNet`, flash-linear-attention, its default backend dispatch, which each FLA
+row records as FLA logs it), in one process on the same input; `ours_steps` is our layer forced onto its
 step-by-step path (torch conv, l2 norm, gates and norm around the op), the layer before fusion;
 `ours_recompute` is the fused layer with save_states=False (the op's backward recomputes the
 chunk states instead of keeping them: less memory, one more walk).
@@ -208,6 +208,8 @@ def main():
     ap.add_argument("--check-tokens", type=int, default=4096, help="tokens of the accuracy check (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    if set(args.shapes.split(",")) - set(SHAPES):
+        ap.error(f"--shapes: unknown {sorted(set(args.shapes.split(',')) - set(SHAPES))}; known: {', '.join(SHAPES)}")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -10,7 +10,8 @@
 #
 # Phases:
 #   tests      pytest -m gpu tests/gpu (TESTS narrows it, e.g. TESTS="tests/gpu/test_op.py -k split")
-#   bench      benchmarks/bench_kernels.py (SHAPES, LIBS narrow it; GRAPHS=1 adds CUDA-graph replays)
+#   bench      benchmarks/bench_kernels.py (SHAPES, LIBS narrow it; GRAPHS=1 adds CUDA-graph replays; MERGE=1
+#              keeps the rows of benchmarks/results/bench_kernels_<gpu>.json of shapes it does not re-measure)
 #   bench_layer  benchmarks/bench_layer.py: our GatedDeltaNet against FLA's (LAYER_SHAPES, LIBS, BENCH_ARGS; MERGE=1
 #              keeps the rows of benchmarks/results/bench_layer_<gpu>.json it does not re-measure)
 #   decode     benchmarks/bench_decode.py: prefill and decoding with a cache, ours and FLA's (DECODE_ARGS)
@@ -42,13 +43,15 @@ GPU_TAG=${GPU_TAG:-gpu}
 # MERGE=1: bench_layer keeps the rows of benchmarks/results/bench_layer_$GPU_TAG.json it does not re-measure
 [ "${MERGE:-0}" = 1 ] && [ -f "benchmarks/results/bench_layer_$GPU_TAG.json" ] \
   && MERGE_ARG="--merge benchmarks/results/bench_layer_$GPU_TAG.json"
+[ "${MERGE:-0}" = 1 ] && [ -f "benchmarks/results/bench_kernels_$GPU_TAG.json" ] \
+  && MERGE_KERNELS_ARG="--merge benchmarks/results/bench_kernels_$GPU_TAG.json"
 for phase in "$@"; do
   echo "== $phase $(date -u +%T)"
   case $phase in
     tests) timeout "${TEST_TIMEOUT:-540}" python -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/gpu} \
              --junitxml "$OUT/gpu_tests.xml" 2>&1 | grep -v TileLang | tail -40 ;;
     bench) timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_kernels.py --out "$OUT/${BENCH_NAME:-bench_$GPU_TAG}" ${GRAPHS:+--graphs} \
-             ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-300 ;;
+             ${SHAPES:+--shapes "$SHAPES"} ${LIBS:+--libs "$LIBS"} ${MERGE_KERNELS_ARG:-} 2>&1 | grep '^{' | cut -c1-300 ;;
     bench_layer) timeout "${BENCH_TIMEOUT:-540}" python benchmarks/bench_layer.py --out "$OUT/bench_layer_$GPU_TAG" \
                    ${LAYER_SHAPES:+--shapes "$LAYER_SHAPES"} ${LIBS:+--libs "$LIBS"} ${MERGE_ARG:-} ${BENCH_ARGS:-} 2>&1 \
                    | grep '^{' | cut -c1-400 ;;

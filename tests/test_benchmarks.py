@@ -1,0 +1,35 @@
+"""The benchmarks' result files: merging a run into an earlier one keeps one process per shape."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import bench_kernels  # noqa: E402
+
+
+def _run(date, shapes, ms):
+    meta = {"date": date, "command": f"bench {','.join(shapes)}", "gpu": "gpu", "versions": {}, "timing": "t",
+            "matmul_tflops": 700.0, "copy_gbps": 3000.0}
+    rows = [{"shape": s, "lib": lib, "fwd_ms": ms} for s in shapes for lib in ("ours", "flashqla")]
+    return meta, rows
+
+
+def test_merge_keeps_the_other_shapes_and_names_each_run_once():
+    first = dict(zip(("meta", "rows"), _run("d1", ["tp1_1x8k", "tp1_1x32k"], 1.0)))
+    meta, rows = bench_kernels.merged_results(*_run("d2", ["tp1_1x32k", "tp8_1x32k"], 2.0), first)
+    by_shape = {(r["shape"], r["lib"]): r for r in rows}
+    assert sorted(by_shape) == sorted((s, lib) for s in ("tp1_1x8k", "tp1_1x32k", "tp8_1x32k")
+                                      for lib in ("ours", "flashqla"))
+    # a re-measured shape takes the new run's rows, both libraries from that one run
+    assert {r["measured"] for r in rows if r["shape"] == "tp1_1x32k"} == {"d2"}
+    assert by_shape[("tp1_1x8k", "ours")] == {"measured": "d1", "shape": "tp1_1x8k", "lib": "ours", "fwd_ms": 1.0}
+    assert [r["shape"] for r in rows][::2] == ["tp1_1x8k", "tp1_1x32k", "tp8_1x32k"]  # the table's order
+    assert [run["date"] for run in meta["runs"]] == ["d1", "d2"]
+    md = bench_kernels.to_markdown(meta, rows)
+    assert "- d1: `bench tp1_1x8k,tp1_1x32k`" in md and "- d2: `bench tp1_1x32k,tp8_1x32k`" in md
+
+    # merging again drops a run none of whose rows are left
+    meta3, rows3 = bench_kernels.merged_results(*_run("d3", ["tp1_1x8k"], 3.0), {"meta": meta, "rows": rows})
+    assert [run["date"] for run in meta3["runs"]] == ["d2", "d3"]
+    assert {r["measured"] for r in rows3} == {"d2", "d3"}
