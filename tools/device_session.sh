@@ -19,7 +19,8 @@
 #   tune_layer tools/tune_layer.py: block sizes of the layer's kernels around the op (LAYER_SHAPES)
 #   tune_prepare  tools/tune_prepare.py: the prepare kernel's register caps (SHAPES)
 #   profile    tools/profile_kernels.py (SHAPES, INTRA, PROFILE_LIB)
-#   profile_layer  tools/profile_layer.py: per-kernel time of the layer, ours and FLA's (LAYER_SHAPES, LIBS)
+#   profile_layer  tools/profile_layer.py: per-kernel time of the layer, ours and FLA's (LAYER_SHAPES, LIBS;
+#              PROFILE_ARGS=--compile: under torch.compile)
 #   host_timeline  tools/host_timeline.py (SHAPE, PASSES, TIMELINE_ARGS e.g. --profile)
 #   ncu        ncu stall samples of one kernel (NCU_KERNEL, SHAPE, NCU_NAME), read with tools/ncu_stalls.py
 #   long_seq   the long-sequence training ladder with activation checkpointing (SEQ_LENS, STEPS; CKPT=0 without)
@@ -66,7 +67,7 @@ for phase in "$@"; do
     profile) timeout 240 python tools/profile_kernels.py --out "$OUT/profile" ${SHAPES:+--shapes "$SHAPES"} \
                ${INTRA:+--intra "$INTRA"} ${PROFILE_LIB:+--lib "$PROFILE_LIB"} 2>&1 | grep '^{' | cut -c1-1500 ;;
     profile_layer) timeout 300 python tools/profile_layer.py --out "$OUT/profile_layer" \
-                     ${LAYER_SHAPES:+--shapes "$LAYER_SHAPES"} ${LIBS:+--libs "$LIBS"} 2>&1 | grep '^{' | cut -c1-2500 ;;
+                     ${LAYER_SHAPES:+--shapes "$LAYER_SHAPES"} ${LIBS:+--libs "$LIBS"} ${PROFILE_ARGS:-} 2>&1 | grep '^{' | cut -c1-2500 ;;
     host_timeline) for pass in ${PASSES:-fwd fwdbwd}; do
         timeout "${BENCH_TIMEOUT:-300}" python tools/host_timeline.py --out "$OUT/host_timeline_$pass" --pass "$pass" \
           ${SHAPE:+--shape "$SHAPE"} ${TIMELINE_ARGS:-} 2>&1 | grep -v TileLang | tail -45 | cut -c1-300

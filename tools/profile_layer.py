@@ -1,11 +1,12 @@
 """Per-kernel GPU time of the GatedDeltaNet layer, forward and forward+backward (torch.profiler):
 which pieces of ours cost more than their memory traffic, and where FLA's layer spends its time.
 
-    python tools/profile_layer.py --shapes qwen3_next_1x32k --libs ours,fla
+    python tools/profile_layer.py --shapes qwen3_next_1x32k --libs ours,fla [--compile]
 
 Prints one JSON line per shape, library and pass: each CUDA kernel's time per call (summed over
 --iters calls, divided by --iters), the kernel sum and the wall time per call, and writes
 profile_layer.json under --out. Shapes and layers are those of benchmarks/bench_layer.py.
+--compile profiles the calls under torch.compile instead (as bench_layer's compile rows run them).
 """
 
 import argparse
@@ -31,6 +32,7 @@ def main():
     ap.add_argument("--libs", default="ours,fla")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--top", type=int, default=25, help="kernels listed per pass")
+    ap.add_argument("--compile", action="store_true", help="the layers under torch.compile")
     ap.add_argument("--out", default=os.environ.get("OUT") or ".")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -47,19 +49,21 @@ def main():
         for lib in args.libs.split(","):
             layer = make_layer(lib, hidden, H, HV, D, device, torch.bfloat16)
             xg = x.clone().requires_grad_(True)
+            run = torch.compile(lambda x_, _layer=layer, _lib=lib: call(_layer, _lib, x_, cu)) if args.compile \
+                else (lambda x_, _layer=layer, _lib=lib: call(_layer, _lib, x_, cu))
 
             def fwd():
                 with torch.no_grad():
-                    call(layer, lib, x, cu)
+                    run(x)
 
             def fwdbwd():
                 xg.grad = None
                 layer.zero_grad(set_to_none=True)
-                call(layer, lib, xg, cu).backward(dy)
+                run(xg).backward(dy)
 
             for name, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
                 rows = kernel_times(fn, args.iters)
-                entry = {"shape": sname, "lib": lib, "pass": name, "total_ms": round(sum(r[1] for r in rows), 4),
+                entry = {"shape": sname, "lib": lib, "mode": "compile" if args.compile else "eager", "pass": name, "total_ms": round(sum(r[1] for r in rows), 4),
                          "wall_ms": round(triton.testing.do_bench(fn, return_mode="median"), 4),
                          "kernels": rows[: args.top]}
                 result.append(entry)
