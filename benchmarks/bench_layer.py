@@ -175,12 +175,21 @@ def to_markdown(meta, rows):
              "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
              "Commands (each row names the run that measured it):", "",
              *[f"- {run['date']}: `{run['command']}`" for run in runs], "",
-             "Median ms (do_bench on a GPU), fwd without grad, fwd+bwd with input and parameter gradients.", "",
-             "| shape | lib | mode | fwd ms | fwd+bwd ms | fwd+bwd peak GiB | over inputs GiB | measured | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Median ms (do_bench on a GPU), fwd without grad, fwd+bwd with input and parameter gradients. "
+             "/ FLA: the row's value over FLA's layer's on the same shape and mode (< 1: less time or memory).", "",
+             "| shape | lib | mode | fwd ms | / FLA | fwd+bwd ms | / FLA | fwd+bwd peak GiB | / FLA | over inputs GiB "
+             "| measured | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fla = {(r["shape"], r["mode"]): r for r in rows if r["lib"] == "fla"}
+
+    def over_fla(r, key):
+        theirs = fla.get((r["shape"], r["mode"]), {}).get(key)
+        return f"{r[key] / theirs:.2f}" if r.get(key) and theirs else "-"
+
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['lib']} | {r['mode']} | {r.get('fwd_ms', '-')} | {r.get('fwdbwd_ms', '-')} "
-                     f"| {r.get('fwdbwd_peak_gib', '-')} | {r.get('fwdbwd_peak_over_inputs_gib', '-')} "
+        lines.append(f"| {r['shape']} | {r['lib']} | {r['mode']} | {r.get('fwd_ms', '-')} | {over_fla(r, 'fwd_ms')} "
+                     f"| {r.get('fwdbwd_ms', '-')} | {over_fla(r, 'fwdbwd_ms')} | {r.get('fwdbwd_peak_gib', '-')} "
+                     f"| {over_fla(r, 'fwdbwd_peak_gib')} | {r.get('fwdbwd_peak_over_inputs_gib', '-')} "
                      f"| {r.get('measured', meta['date'])} | {r.get('error', '')[:120]} |")
     dispatch = sorted({line for r in rows for line in r.get("fla_dispatch", ())})
     if dispatch:

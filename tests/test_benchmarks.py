@@ -33,3 +33,21 @@ def test_merge_keeps_the_other_shapes_and_names_each_run_once():
     meta3, rows3 = bench_kernels.merged_results(*_run("d3", ["tp1_1x8k"], 3.0), {"meta": meta, "rows": rows})
     assert [run["date"] for run in meta3["runs"]] == ["d2", "d3"]
     assert {r["measured"] for r in rows3} == {"d2", "d3"}
+
+
+def test_layer_table_gives_each_row_over_fla_on_the_same_shape_and_mode():
+    import bench_layer
+
+    meta = {"gpu": "gpu", "date": "d", "command": "c", "versions": {}, "accuracy": {}}
+    rows = [{"shape": "qwen3_next_1x32k", "lib": lib, "mode": mode, "fwd_ms": fwd, "fwdbwd_ms": 2 * fwd,
+             "fwdbwd_peak_gib": 1.0}
+            for lib, mode, fwd in (("fla", "eager", 8.0), ("fla", "compile", 4.0), ("ours", "eager", 2.0),
+                                   ("ours", "compile", 2.0))]
+    rows.append({"shape": "recipe_1x32k", "lib": "ours", "mode": "eager", "fwd_ms": 1.0})  # no FLA row
+    table = {tuple(cell.strip() for cell in line.split("|")[1:4]): line.split("|")
+             for line in bench_layer.to_markdown(meta, rows).splitlines() if line.startswith("| qwen") or
+             line.startswith("| recipe")}
+    assert table[("qwen3_next_1x32k", "ours", "eager")][5].strip() == "0.25"
+    assert table[("qwen3_next_1x32k", "ours", "compile")][5].strip() == "0.50"
+    assert table[("qwen3_next_1x32k", "ours", "compile")][7].strip() == "0.50"
+    assert table[("recipe_1x32k", "ours", "eager")][5].strip() == "-"
