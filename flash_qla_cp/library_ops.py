@@ -4,8 +4,8 @@ implementation, tied together with register_autograd.
 
 Used when the call is being compiled (`api.chunk_gated_delta_rule`); eager calls keep the
 autograd.Function of `ops.py`, which also hands the TileLang forward's kept chunk states to its
-backward. Here the backward recomputes them from the inputs (a custom op returns only tensors of a
-fixed schema), so a compiled training step pays one more state walk on the TileLang backend.
+backward. Here the backward runs the forward again for them (a custom op returns only tensors of
+a fixed schema), so a compiled training step pays one more forward on the TileLang backend.
 """
 
 from __future__ import annotations
@@ -54,19 +54,19 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, us
 @torch.library.custom_op("flash_qla_cp::chunk_gated_delta_rule_bwd", mutates_args=())
 def gdn_bwd(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-            scale: float, use_qk_l2norm_in_kernel: bool, state_v_first: bool, backend: str, fused_walk: str,
-            four_warpgroups: bool, tilelang_backward: bool) -> list[torch.Tensor]:
+            scale: float, use_qk_l2norm_in_kernel: bool, state_v_first: bool, backend: str, intra_cp: str,
+            fused_walk: str, four_warpgroups: bool, tilelang_backward: bool) -> list[torch.Tensor]:
     options = KernelOptions(fused_walk, four_warpgroups, tilelang_backward)
-    # nothing kept from the forward (kernel_saved None): the TileLang backward recomputes it
+    # nothing kept from the forward (kernel_saved None): the TileLang backward runs it again
     ctx = GDNContext(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, state_v_first,
-                     choose_backend(backend, q, v), options)
+                     choose_backend(backend, q, v), options, intra_cp=_intra(intra_cp))
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.contiguous(), dht, ctx)
     return [dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else q.new_empty(0, dtype=compute_dtype(q))]
 
 
 @gdn_bwd.register_fake
 def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, state_v_first, backend,
-      fused_walk, four_warpgroups, tilelang_backward):
+      intra_cp, fused_walk, four_warpgroups, tilelang_backward):
     dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(
         0, dtype=compute_dtype(q))
     return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
@@ -74,10 +74,10 @@ def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2norm, v_first, backend, _, \
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2norm, v_first, backend, intra_cp, \
         fused_walk, four_warpgroups, tilelang_backward = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
-    ctx.options = (scale, l2norm, v_first, backend, fused_walk, four_warpgroups, tilelang_backward)
+    ctx.options = (scale, l2norm, v_first, backend, intra_cp, fused_walk, four_warpgroups, tilelang_backward)
     ctx.output_final_state = output_final_state
 
 

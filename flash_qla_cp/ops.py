@@ -44,6 +44,9 @@ class GDNContext:
     # qk-head's v-heads are dq, dk) where the TileLang kernels write them so: for a caller that
     # reads them summed (the fused layer's inputs kernel); never with use_qk_l2norm_in_kernel
     v_head_parts: bool = False
+    # the forward's intra-card split setting: where kernel_saved is not at hand (a compiled call),
+    # the TileLang backward runs the forward again with it (see `_tilelang_bwd`)
+    intra_cp: object = "off"
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -69,7 +72,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
         scale = q.shape[-1] ** -0.5
     chosen = choose_backend(backend, q, v)
     ctx = GDNContext(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, state_v_first,
-                     chosen, options, v_head_parts=bool(v_head_parts) and not use_qk_l2norm_in_kernel)
+                     chosen, options, v_head_parts=bool(v_head_parts) and not use_qk_l2norm_in_kernel,
+                     intra_cp=intra_cp)
     qn, kn = (l2norm(q), l2norm(k)) if use_qk_l2norm_in_kernel else (q, k)
     with torch.no_grad():
         if chosen == "tilelang":
@@ -157,9 +161,19 @@ def _torch_bwd(do, dht, ctx: GDNContext):
 
 def _tilelang_bwd(do, dht, ctx: GDNContext):
     def backward(q, k):
-        return tilelang_backward(do, dht, q.detach(), k.detach(), ctx.v, ctx.g, ctx.beta, ctx.scale,
-                                 ctx.initial_state, ctx.cu_seqlens, ctx.kernel_saved, state_v_first=ctx.state_v_first,
-                                 options=ctx.options, v_head_parts=ctx.v_head_parts)
+        q, k = q.detach(), k.detach()
+        saved = ctx.kernel_saved
+        if saved is None:
+            # a compiled call (its custom ops pass tensors only) kept nothing: the forward runs again
+            # with its split, keeping its chunk states, so that the backward walks the forward's
+            # partitions with the eager call's kernels (rebuilt unsplit, one walk per head, the
+            # walks filled 32 of 132 SMs at Qwen3-Next 1 x 32k: ~2 ms more per layer on an H100)
+            _, _, saved = tilelang_forward(q, k, ctx.v, ctx.g, ctx.beta, ctx.scale, ctx.initial_state, False,
+                                           ctx.cu_seqlens, state_v_first=ctx.state_v_first, intra_cp=ctx.intra_cp,
+                                           save_states=True, options=ctx.options)
+        return tilelang_backward(do, dht, q, k, ctx.v, ctx.g, ctx.beta, ctx.scale, ctx.initial_state, ctx.cu_seqlens,
+                                 saved, state_v_first=ctx.state_v_first, options=ctx.options,
+                                 v_head_parts=ctx.v_head_parts)
 
     return _through_l2norm(ctx, backward)
 

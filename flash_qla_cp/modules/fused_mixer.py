@@ -21,7 +21,8 @@ than `kernels.layer.MAX_CONV_SIZE`); both compute in the same order.
 
 Eager calls run an autograd.Function, which hands the TileLang forward's kept chunk states to the
 backward; under torch.compile the same forward and backward run as registered custom ops
-(`flash_qla_cp::gdn_layer_mixer_fwd` / `_bwd`), the backward recomputing the chunk states.
+(`flash_qla_cp::gdn_layer_mixer_fwd` / `_bwd`), the backward running the op's forward again for
+its chunk states (one more forward).
 """
 
 from __future__ import annotations
@@ -221,9 +222,9 @@ def mixer_bwd(dy: torch.Tensor, P: torch.Tensor, conv_weight: torch.Tensor, A_lo
               backend: str, intra_cp: str) -> list[torch.Tensor]:
     config = _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, P)
     B, T, _ = P.shape
-    # nothing kept from the forward: the op's backward recomputes its chunk states
+    # nothing kept from the forward: the op's backward runs its forward again (with the same split)
     gdn = GDNContext(None, None, None, None, None, None, cu_seqlens, scale, False, False, config.backend,
-                     DEFAULT_OPTIONS, v_head_parts=True)
+                     DEFAULT_OPTIONS, v_head_parts=True, intra_cp=config.intra_cp)
     grads = _backward(dy.contiguous(), P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
                       token_positions(B, T, cu_seqlens, P.device), gdn, config)
     dh0 = grads[-1]

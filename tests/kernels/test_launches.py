@@ -737,3 +737,54 @@ def test_a_backward_spends_what_the_forward_kept(lengths):
     assert second[0] == "build_prepare_kernel" and second[1].startswith("build_bwd_h")
     h_walk = launches.calls[1][1]
     assert h_walk[-1].data_ptr() != vres.data_ptr()
+
+
+def test_compiled_op_backward_runs_the_eager_kernels():
+    """Under torch.compile the op's backward custom op gets nothing from the forward; it runs the
+    forward again (its split, its chunk states kept), then the eager backward's kernels: the
+    forward's partitions and the fused walk, not one unsplit walk per head."""
+    from flash_qla_cp import library_ops
+
+    q, k, v, g, beta = inputs(32768, 2, 4)  # TP8 1 x 32k: split by intra_cp="auto"
+    eager = Launches()
+    with tilelang_path(eager):
+        fwd_bwd(q, k, v, g, beta)()
+    compiled = Launches()
+    with tilelang_path(compiled, ("ops", "api", "library_ops")):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+        o, _ = library_ops.compiled_op(*leaves, None, None, None, False, False, False, "auto", "auto",
+                                       KernelOptions())
+        forward_launches = len(compiled.calls)
+        o.backward(torch.zeros_like(o))
+    assert "build_bwd_fused_ws_kernel" in eager.names()
+    assert [spec for spec, _ in compiled.calls[forward_launches:]] == [spec for spec, _ in eager.calls]
+    assert_launches_match_signatures(compiled)
+
+
+def test_compiled_fused_layer_backward_walks_the_forwards_partitions():
+    """The fused layer's compiled path (its custom ops, as a compiled graph calls them): the backward
+    launches the eager backward's op kernels, after the op's forward again."""
+    from flash_qla_cp import GatedDeltaNet
+    from flash_qla_cp.modules import fused_mixer
+
+    m = GatedDeltaNet(256, 2, 4, 128, 128, backend="torch").to(torch.bfloat16)
+    x = torch.zeros(1, 32768, 256, dtype=torch.bfloat16, requires_grad=True)
+    config = fused_mixer.MixerConfig(m.projection_layout, False, 1e-6, 128**-0.5, "tilelang", "auto", True)
+
+    def step(compiled):
+        launches = Launches()
+        with tilelang_path(launches, ("ops",)), mock.patch.object(torch.compiler, "is_compiling", lambda: compiled):
+            P = torch.nn.functional.linear(x, m._projection_weight())
+            y = fused_mixer.fused_mixer(P, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight, config)
+            forward_launches = len(launches.calls)
+            y.sum().backward()
+        op = [spec for spec, _ in launches.calls if "layer_inputs" not in spec.name and "gated_norm" not in spec.name]
+        return op, len([s for s, _ in launches.calls[:forward_launches] if s in op]), launches
+
+    eager_op, eager_forward, _ = step(False)
+    compiled_op, compiled_forward, launches = step(True)
+    assert "build_bwd_fused_ws_kernel" in [spec.name for spec in eager_op]
+    # the compiled forward keeps nothing (no stored states); its backward: the eager forward's and
+    # backward's op kernels
+    assert compiled_op[compiled_forward:] == eager_op
+    assert_launches_match_signatures(launches)

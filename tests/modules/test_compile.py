@@ -62,7 +62,7 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(gdn_fwd, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     do = torch.randn(1, 70, 2, 8)
     bwd_args = (do, torch.randn(2, 2, 8, 8), *(t.detach() for t in x.values()), h0.detach(), cu, 0.3, False, False,
-                "torch", "auto", True, True)
+                "torch", "off", "auto", True, True)
     torch.library.opcheck(gdn_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
 
 
