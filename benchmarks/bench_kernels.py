@@ -352,6 +352,11 @@ def main():
         "flops": flop_count.__doc__.strip(),
         "bytes": byte_count.__doc__.strip(),
     }
+    if args.merge:  # before any timing: rows of another GPU would be merged as this one's
+        with open(args.merge) as f:
+            earlier_gpu = json.load(f)["meta"]["gpu"]
+        if earlier_gpu != meta["gpu"]:
+            ap.error(f"--merge {args.merge}: its rows were measured on {earlier_gpu}, this GPU is {meta['gpu']}")
     meta["matmul_tflops"], meta["copy_gbps"] = measured_peaks()
     torch.cuda.empty_cache()
     print(json.dumps({"matmul_tflops": meta["matmul_tflops"], "copy_gbps": meta["copy_gbps"]}), flush=True)

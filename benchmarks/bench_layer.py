@@ -225,6 +225,11 @@ def main():
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "command": " ".join(["python", "benchmarks/bench_layer.py", *sys.argv[1:]]), "versions": versions(),
             "dtype": str(dtype).replace("torch.", ""), "accuracy": {}}
+    if args.merge:  # before any timing: rows of another GPU would be merged as this one's
+        with open(args.merge) as f:
+            earlier_gpu = json.load(f)["meta"]["gpu"]
+        if earlier_gpu != meta["gpu"]:
+            ap.error(f"--merge {args.merge}: its rows were measured on {earlier_gpu}, this GPU is {meta['gpu']}")
     rows, checked = [], {}
     for name in args.shapes.split(","):
         for lib in args.libs.split(","):

@@ -51,3 +51,17 @@ def test_layer_table_gives_each_row_over_fla_on_the_same_shape_and_mode():
     assert table[("qwen3_next_1x32k", "ours", "compile")][5].strip() == "0.50"
     assert table[("qwen3_next_1x32k", "ours", "compile")][7].strip() == "0.50"
     assert table[("recipe_1x32k", "ours", "eager")][5].strip() == "-"
+
+
+def test_layer_benchmark_refuses_to_merge_rows_of_another_gpu(tmp_path):
+    import json
+    import subprocess
+
+    earlier = tmp_path / "bench_layer.json"
+    earlier.write_text(json.dumps({"meta": {"gpu": "NVIDIA H200", "date": "d", "command": "c"}, "rows": []}))
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_layer.py")
+    run = subprocess.run([sys.executable, script, "--device", "cpu", "--shapes", "tiny", "--libs", "ours",
+                          "--merge", str(earlier), "--out", str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 2
+    assert "measured on NVIDIA H200, this GPU is cpu" in run.stderr
+    assert not (tmp_path / "bench_layer.md").exists()
