@@ -739,25 +739,34 @@ def test_a_backward_spends_what_the_forward_kept(lengths):
     assert h_walk[-1].data_ptr() != vres.data_ptr()
 
 
-def test_compiled_op_backward_runs_the_eager_kernels():
+@pytest.mark.parametrize("with_states", [False, True], ids=["", "h0_and_final_state"])
+def test_compiled_op_backward_runs_the_eager_kernels(with_states):
     """Under torch.compile the op's backward custom op gets nothing from the forward; it runs the
     forward again (its split, its chunk states kept), then the eager backward's kernels: the
     forward's partitions and the fused walk, not one unsplit walk per head."""
     from flash_qla_cp import library_ops
 
     q, k, v, g, beta = inputs(32768, 2, 4)  # TP8 1 x 32k: split by intra_cp="auto"
-    eager = Launches()
+    h0 = torch.zeros(1, 4, 128, 128) if with_states else None
+    eager, eager_forward = Launches(), Launches()
     with tilelang_path(eager):
-        fwd_bwd(q, k, v, g, beta)()
+        fwd_bwd(q, k, v, g, beta, h0=h0, with_dht=with_states)()
+    with tilelang_path(eager_forward):
+        forward(q, k, v, g, beta, with_states, True, h0=h0)
+    backward_launches = len(eager.calls) - len(eager_forward.calls)
     compiled = Launches()
     with tilelang_path(compiled, ("ops", "api", "library_ops")):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
-        o, _ = library_ops.compiled_op(*leaves, None, None, None, False, False, False, "auto", "auto",
-                                       KernelOptions())
+        o, final = library_ops.compiled_op(*leaves, h0, None, None, with_states, False, False, "auto", "auto",
+                                           KernelOptions())
         forward_launches = len(compiled.calls)
-        o.backward(torch.zeros_like(o))
+        (o.sum() + (final.sum() if with_states else 0)).backward()
+    # the forward again (its split; no final state to return), then the eager backward's kernels
+    again = compiled.names()[forward_launches:-backward_launches]
+    assert again[0] == "build_prepare_kernel" and again[-1] == "build_fused_fwd_ws4_kernel"
     assert "build_bwd_fused_ws_kernel" in eager.names()
-    assert [spec for spec, _ in compiled.calls[forward_launches:]] == [spec for spec, _ in eager.calls]
+    assert [spec for spec, _ in compiled.calls[-backward_launches:]] == \
+        [spec for spec, _ in eager.calls[len(eager_forward.calls):]]
     assert_launches_match_signatures(compiled)
 
 
