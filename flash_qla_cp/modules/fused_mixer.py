@@ -72,53 +72,64 @@ def _steps(config: MixerConfig, conv_size: int = 0):
     return kernel_steps if config.backend == "tilelang" and kernels_reach else torch_steps
 
 
-def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, training: bool, backward_plan) -> tuple:
+def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, training: bool, backward_plan,
+                       reruns: bool = False) -> tuple:
     """The layer steps' kernel plans for the op's backward plan (None where the forward does not
-    know it); their forward kernels alone where no backward follows (not training)."""
+    know it); their forward kernels alone where no backward follows (not training). reruns: the
+    op's backward runs its forward again (a compiled call), which needs v re-formed."""
     lay = config.layout
     # the inputs step's backward reads dq, dk as the op's backward leaves them: per-v-head parts
     # where its kernels write them so (GVA, the fused walk: assumed where the plan is not known)
     writes_parts = backward_plan is None or backward_plan.v_head_parts
     parts = lay.num_v_heads // lay.num_heads if writes_parts else 1
     # after a forward that keeps its chunk states the backward re-forms the op's inputs without v
-    states_kept = backward_plan is not None and backward_plan.h_walk is None
+    states_kept = backward_plan is not None and backward_plan.h_walk is None and not reruns
     plans = kernel_steps.layer_plans(lay, conv_size, dtype, config.allow_neg_eigval, config.norm_eps, parts,
                                      states_kept)
     return plans if training else (kernel_steps.ForwardSteps(plans),)
 
 
 def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cpu, output_final_state,
-                        config: MixerConfig, step_plans):
+                        config: MixerConfig, step_plans, backward_reruns: bool):
     """A configuration's first call compiles every kernel of its fwd+bwd, the steps' and the op's,
     in one parallel round before the inputs step runs (else the inputs step's kernel compiles
-    alone first, then the rest with the op: two rounds, the first ~8 s on an H100 machine)."""
+    alone first, then the rest with the op: two rounds, the first ~8 s on an H100 machine).
+    backward_reruns: the op's backward will run its forward again, keeping its chunk states (a
+    compiled call): that forward's kernels and its backward's are in the round too."""
     lay = config.layout
     if runtime.compiled(kernel_steps.inputs_plan(P, lay, conv_weight, config.allow_neg_eigval).forward):
         return
     B, T = P.shape[:2]
-    op_plans = tilelang_forward_plans(
-        (B, T, lay.num_heads, lay.head_k_dim), (B, T, lay.num_v_heads, lay.head_v_dim), P.dtype, P.device, config.scale,
-        initial_state is not None, output_final_state, None if cu_seqlens is None else cu_seqlens.shape[0] - 1,
-        cu_seqlens_cpu, config.intra_cp, config.save_states, check_options(config.kernel_options), True, step_plans)
+    shapes = ((B, T, lay.num_heads, lay.head_k_dim), (B, T, lay.num_v_heads, lay.head_v_dim), P.dtype, P.device,
+              config.scale, initial_state is not None)
+    num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    options = check_options(config.kernel_options)
+    # (where the backward runs the forward again, the steps' plans follow that forward's backward plan)
+    op_plans = tilelang_forward_plans(*shapes, output_final_state, num_seqs, cu_seqlens_cpu, config.intra_cp,
+                                      config.save_states, options, True, () if backward_reruns else step_plans)
+    if op_plans and backward_reruns:
+        op_plans += tilelang_forward_plans(*shapes, False, num_seqs, cu_seqlens_cpu, config.intra_cp, True, options,
+                                           True, step_plans)
     if op_plans:  # (with the steps' plans; else not known before the op reads cu_seqlens back: two rounds)
         runtime.compile_plan(*op_plans)
 
 
 def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig,
-             cu_seqlens_cpu=None, output_final_state=False, positions=None, training=True):
+             cu_seqlens_cpu=None, output_final_state=False, positions=None, training=True, backward_reruns=False):
     """(y [B, T, HV * dv], o [B, T, HV, dv], the op's context without its inputs, token positions,
     the op's final states [N, HV, dk, dv] or None). positions: the rows' token positions where the
-    caller has them, else formed from cu_seqlens. training: a backward follows (a first call then
+    caller has them, else formed from cu_seqlens. backward_reruns: see `_compile_first_call`.
+    training: a backward follows (a first call then
     compiles the backward's kernels too)."""
     B, T, width = P.shape
     lay = config.layout
     steps = _steps(config, conv_weight.shape[-1])
     # on the first call the op compiles the steps' kernels with its own
-    step_plans = (partial(_kernel_step_plans, config, conv_weight.shape[-1], P.dtype, training)
+    step_plans = (partial(_kernel_step_plans, config, conv_weight.shape[-1], P.dtype, training, reruns=backward_reruns)
                   if steps is kernel_steps else ())
     if steps is kernel_steps:
         _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cpu, output_final_state, config,
-                            step_plans)
+                            step_plans, backward_reruns)
     rows = P.view(B * T, width)
     if positions is None:
         positions = token_positions(B, T, cu_seqlens, P.device)
@@ -129,7 +140,7 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
         g.view(B, T, -1), beta.view(B, T, -1), scale=config.scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp,
         save_states=config.save_states, kernel_options=config.kernel_options, cu_seqlens_cpu=cu_seqlens_cpu,
-        compile_with=step_plans, v_head_parts=True)
+        compile_with=() if backward_reruns else step_plans, v_head_parts=True)
     y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
     # the op's inputs are recomputed from P in the backward (identical values), not kept
     gdn = replace(gdn, q=None, k=None, v=None, g=None, beta=None, initial_state=None)
@@ -200,16 +211,20 @@ def _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, P) 
 @torch.library.custom_op("flash_qla_cp::gdn_layer_mixer_fwd", mutates_args=())
 def mixer_fwd(P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
               norm_weight: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-              layout: list[int], allow_neg_eigval: bool, norm_eps: float, scale: float, backend: str, intra_cp: str
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              layout: list[int], allow_neg_eigval: bool, norm_eps: float, scale: float, backend: str, intra_cp: str,
+              training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     config = _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, P)
-    y, o, _, _, _ = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config)
+    # (training: a backward follows, which runs the op's forward again: its kernels compile now too;
+    # the offsets read back once here, as the op would, so that the first call knows its plans)
+    y, o, _, _, _ = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
+                             None if cu_seqlens is None else cu_seqlens.cpu(), training=training,
+                             backward_reruns=training)
     return y, o
 
 
 @mixer_fwd.register_fake
 def _(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, layout, allow_neg_eigval, norm_eps,
-      scale, backend, intra_cp):
+      scale, backend, intra_cp, training):
     lay = ProjectionLayout(*layout)
     B, T, _ = P.shape
     return P.new_empty(B, T, lay.num_v_heads * lay.head_v_dim), P.new_empty(B, T, lay.num_v_heads, lay.head_v_dim)
@@ -240,7 +255,7 @@ def _(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, cu_seql
 
 
 def _setup_context(ctx, inputs, output):
-    P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, *values = inputs
+    P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, *values, _training = inputs
     ctx.save_for_backward(P, conv_weight, A_log, dt_bias, norm_weight, output[1], initial_state, cu_seqlens)
     ctx.values = values
 
@@ -249,7 +264,7 @@ def _op_backward(ctx, dy, _do):
     P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, cu_seqlens = ctx.saved_tensors
     dP, dconv, dA_log, ddt_bias, dnorm, dh0 = mixer_bwd(dy, P, conv_weight, A_log, dt_bias, norm_weight, o,
                                                         initial_state, cu_seqlens, *ctx.values)
-    return (dP, dconv, dA_log, ddt_bias, dnorm, dh0 if initial_state is not None else None, *([None] * 7))
+    return (dP, dconv, dA_log, ddt_bias, dnorm, dh0 if initial_state is not None else None, *([None] * 8))
 
 
 mixer_fwd.register_autograd(_op_backward, setup_context=_setup_context)
@@ -260,10 +275,11 @@ def fused_mixer(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig
     """P [B, T, width] (B == 1 with cu_seqlens) -> the gated-norm output [B, T, HV * dv].
     cu_seqlens_cpu: a CPU copy of cu_seqlens, so that the op does not read it back from the GPU;
     positions: the rows' token positions where the caller has them (inference; `history_rows.py`)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # (whether a backward follows is known when the call is traced)
         y, _ = mixer_fwd(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
                          list(astuple(config.layout)), config.allow_neg_eigval, float(config.norm_eps),
-                         float(config.scale), config.backend, str(config.intra_cp))
+                         float(config.scale), config.backend, str(config.intra_cp),
+                         backward_will_run(P, conv_weight, A_log, dt_bias, norm_weight, initial_state))
         return y
     if not backward_will_run(P, conv_weight, A_log, dt_bias, norm_weight, initial_state):
         # inference: the forward alone, keeping nothing for a backward

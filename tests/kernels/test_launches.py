@@ -548,11 +548,13 @@ def test_gpu_cp_case_host_path_runs_and_matches_its_kernels(intra_cp, exact):
 
 
 @pytest.mark.parametrize("lengths", [(40000, 25536), (4096, 1, 300)], ids=["split", "unsplit"])
-def test_fused_layer_compiles_only_kernels_it_launches(lengths):
+@pytest.mark.parametrize("traced", [False, True], ids=["", "compiled_path"])
+def test_fused_layer_compiles_only_kernels_it_launches(lengths, traced):
     """A training step of the fused layer compiles all its kernels in one round before the first
     launch (the op's forward with the backward it predicts and both layer steps, the inputs
     step's forward kernel included): every kernel compiled is launched in that step, so no round
-    spends minutes on a kernel the step does not use."""
+    spends minutes on a kernel the step does not use. The same along the compiled path (the
+    custom ops a torch.compile graph calls), whose backward runs the op's forward again."""
     from flash_qla_cp.kernels.layer import StepPlan
 
     from flash_qla_cp import GatedDeltaNet
@@ -563,7 +565,8 @@ def test_fused_layer_compiles_only_kernels_it_launches(lengths):
     launches = Launches()
     compile_plan, launched_before = launches.compile_plan, []
     launches.compile_plan = lambda *plans: launched_before.append(len(launches.calls)) or compile_plan(*plans)
-    with tilelang_path(launches, ("ops", "modules.fused_mixer", "modules.gated_deltanet")):
+    with tilelang_path(launches, ("ops", "modules.fused_mixer", "modules.gated_deltanet")), \
+            mock.patch.object(torch.compiler, "is_compiling", lambda: traced):
         m(x, cu_seqlens=cu).float().sum().backward()
     launched = {spec for spec, _ in launches.calls}
     compiled = {spec for plans in launches.plans for plan in plans for spec in plan.specs()}
@@ -582,8 +585,9 @@ def test_fused_layer_compiles_only_kernels_it_launches(lengths):
                                               "build_gated_norm_kernel", "build_gated_norm_bwd_kernel"}
 
 
-@pytest.mark.parametrize("use_cache", [False, True], ids=["forward", "prefill"])
-def test_fused_layer_inference_compiles_no_backward_kernel(use_cache):
+@pytest.mark.parametrize("use_cache,traced", [(False, False), (True, False), (False, True)],
+                         ids=["forward", "prefill", "compiled_path"])
+def test_fused_layer_inference_compiles_no_backward_kernel(use_cache, traced):
     """Under no_grad (a forward, a prompt's prefill with the cache out) the first call's one round
     compiles the kernels the call launches and no backward kernel (minutes of compilation that
     inference would never use)."""
@@ -591,7 +595,8 @@ def test_fused_layer_inference_compiles_no_backward_kernel(use_cache):
 
     m = GatedDeltaNet(256, 2, 4, 128, 128).to(torch.bfloat16).eval()
     launches = Launches()
-    with torch.no_grad(), tilelang_path(launches, ("ops", "modules.fused_mixer", "modules.gated_deltanet")):
+    with torch.no_grad(), tilelang_path(launches, ("ops", "modules.fused_mixer", "modules.gated_deltanet")), \
+            mock.patch.object(torch.compiler, "is_compiling", lambda: traced):
         m(torch.zeros(2, 300, 256, dtype=torch.bfloat16), use_cache=use_cache)
     compiled = {spec for plans in launches.plans for plan in plans for spec in plan.specs()}
     assert compiled == {spec for spec, _ in launches.calls}

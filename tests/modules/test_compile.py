@@ -75,7 +75,8 @@ def test_compiled_layer_runs_the_fused_layer_op(inputs, monkeypatch):
     calls = []
     for name in ("_forward", "_backward"):
         real = getattr(fused_mixer, name)
-        monkeypatch.setattr(fused_mixer, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+        monkeypatch.setattr(fused_mixer, name,
+                            lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     torch.manual_seed(0)
     m = GatedDeltaNet(32, 2, 4, 8, 8, backend="torch").double()
     kw = {"packed": dict(cu_seqlens=random_cu_seqlens([30, 40]))}.get(inputs, {})
@@ -92,6 +93,6 @@ def test_fused_layer_ops_pass_opcheck():
     P = torch.randn(1, 50, m.projection_layout.width, requires_grad=True)
     h0 = torch.randn(2, 4, 8, 8, requires_grad=True)
     args = (P, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight, h0, random_cu_seqlens([20, 30]),
-            list(dataclasses.astuple(m.projection_layout)), False, 1e-6, 8**-0.5, "torch", "auto")
+            list(dataclasses.astuple(m.projection_layout)), False, 1e-6, 8**-0.5, "torch", "auto", True)
     torch.library.opcheck(fused_mixer.mixer_fwd, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
