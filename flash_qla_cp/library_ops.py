@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from .backends import choose_backend
-from .ops import GDNContext, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from .ops import GDNContext, backward_will_run, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd, \
+    tilelang_forward_plans
 from .options import KernelOptions
 from .reference.chunked import compute_dtype
 
@@ -32,20 +33,30 @@ def _intra(intra_cp: str):
 def gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
             output_final_state: bool, use_qk_l2norm_in_kernel: bool, state_v_first: bool, backend: str,
-            intra_cp: str, fused_walk: str, four_warpgroups: bool, tilelang_backward: bool
+            intra_cp: str, fused_walk: str, four_warpgroups: bool, tilelang_backward: bool, training: bool
             ) -> tuple[torch.Tensor, torch.Tensor]:
     options = KernelOptions(fused_walk, four_warpgroups, tilelang_backward)
+    # the offsets read back once here, as the TileLang forward would: its plans are then known
+    cu_host = cu_seqlens.cpu() if cu_seqlens is not None else None
+    # training: the backward runs this forward again keeping its chunk states (`ops._tilelang_bwd`);
+    # that forward's kernels and its backward's compile with this one's on first use
+    rerun = ()
+    if training and not state_v_first and options.tilelang_backward and choose_backend(backend, q, v) == "tilelang":
+        rerun = tilelang_forward_plans(q.shape, v.shape, q.dtype, q.device, scale, initial_state is not None, False,
+                                       None if cu_seqlens is None else cu_seqlens.shape[0] - 1, cu_host,
+                                       _intra(intra_cp), True, options, False)
     o, final, _ = chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
-        backend=backend, intra_cp=_intra(intra_cp), kernel_options=options)
+        backend=backend, intra_cp=_intra(intra_cp), cu_seqlens_cpu=cu_host, kernel_options=options,
+        compile_with=rerun)
     # a custom op returns tensors only: no final state is an empty one
     return o, final if final is not None else q.new_empty(0, dtype=compute_dtype(q))
 
 
 @gdn_fwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel,
-      state_v_first, backend, intra_cp, fused_walk, four_warpgroups, tilelang_backward):
+      state_v_first, backend, intra_cp, fused_walk, four_warpgroups, tilelang_backward, training):
     o = v.new_empty(v.shape)
     shape = _state_shape(q, v, cu_seqlens, state_v_first) if output_final_state else (0,)
     return o, q.new_empty(shape, dtype=compute_dtype(q))
@@ -75,7 +86,7 @@ def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2norm, v_first, backend, intra_cp, \
-        fused_walk, four_warpgroups, tilelang_backward = inputs
+        fused_walk, four_warpgroups, tilelang_backward, _training = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.options = (scale, l2norm, v_first, backend, intra_cp, fused_walk, four_warpgroups, tilelang_backward)
     ctx.output_final_state = output_final_state
@@ -85,7 +96,7 @@ def _backward(ctx, do, dfinal):
     q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
     dht = dfinal if ctx.output_final_state else None
     dq, dk, dv, dg, dbeta, dh0 = gdn_bwd(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, *ctx.options)
-    return (dq, dk, dv, dg, dbeta, dh0 if initial_state is not None else None, *([None] * 10))
+    return (dq, dk, dv, dg, dbeta, dh0 if initial_state is not None else None, *([None] * 11))
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -98,5 +109,6 @@ def compiled_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final
         scale = q.shape[-1] ** -0.5
     o, final = gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), output_final_state,
                        use_qk_l2norm_in_kernel, state_v_first, backend, str(intra_cp), options.fused_walk,
-                       options.four_warpgroups, options.tilelang_backward)
+                       options.four_warpgroups, options.tilelang_backward,
+                       backward_will_run(q, k, v, g, beta, initial_state))  # (known when traced)
     return o, (final if output_final_state else None)

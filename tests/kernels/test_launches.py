@@ -802,3 +802,27 @@ def test_compiled_fused_layer_backward_walks_the_forwards_partitions():
     # backward's op kernels
     assert compiled_op[compiled_forward:] == eager_op
     assert_launches_match_signatures(launches)
+
+
+@pytest.mark.parametrize("cu", [None, SPLIT_CU], ids=["dense", "varlen_split"])
+def test_compiled_op_first_fwd_bwd_compiles_in_one_round(cu):
+    """The compiled op's forward, knowing a backward follows, compiles with its own kernels those
+    of the forward its backward runs again and of that backward: one round, before any launch."""
+    from flash_qla_cp import library_ops
+
+    q, k, v, g, beta = inputs(65536 if cu is not None else 32768, 2, 4)
+    launches = Launches()
+    compile_plan, launched_before = launches.compile_plan, []
+    launches.compile_plan = lambda *plans: launched_before.append(len(launches.calls)) or compile_plan(*plans)
+    with tilelang_path(launches, ("ops", "api", "library_ops")):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+        o, _ = library_ops.compiled_op(*leaves, None, cu, None, False, False, False, "auto", "auto", KernelOptions())
+        o.backward(torch.zeros_like(o))
+    ready, rounds = set(), []
+    for plans, launches_so_far in zip(launches.plans, launched_before):
+        if any(p not in ready for p in plans):
+            rounds.append(launches_so_far)
+            ready.update(plans)
+    assert rounds == [0]
+    assert {spec for plans in launches.plans for p in plans for spec in p.specs()} == \
+        {spec for spec, _ in launches.calls}

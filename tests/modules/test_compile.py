@@ -58,7 +58,7 @@ def test_custom_ops_pass_opcheck():
     cu = random_cu_seqlens([20, 50])
     h0 = torch.randn(2, 2, 8, 8)
     args = (*(t.requires_grad_(True) for t in x.values()), h0.requires_grad_(True), cu, 0.3, True, False, False,
-            "torch", "off", "auto", True, True)
+            "torch", "off", "auto", True, True, True)
     torch.library.opcheck(gdn_fwd, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     do = torch.randn(1, 70, 2, 8)
     bwd_args = (do, torch.randn(2, 2, 8, 8), *(t.detach() for t in x.values()), h0.detach(), cu, 0.3, False, False,
