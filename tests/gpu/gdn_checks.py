@@ -83,11 +83,11 @@ def make_inputs(case: Case) -> Inputs:
 
 
 def run_op(case: Case, inputs: Inputs, device, backend, reference=False, intra_cp=None, backward_twice=False,
-           **op_options) -> dict:
-    """o, the final state and every gradient of one forward + backward through the public op, as
-    float32 CPU tensors. reference: in float64 (on the inputs rounded as the case's dtype sees
-    them) and without a split. backward_twice: the gradients of a second backward over the same
-    forward (the first with retain_graph)."""
+           op=chunk_gated_delta_rule, **op_options) -> dict:
+    """o, the final state and every gradient of one forward + backward through the public op (or
+    `op`, e.g. it compiled), as float32 CPU tensors. reference: in float64 (on the inputs rounded
+    as the case's dtype sees them) and without a split. backward_twice: the gradients of a second
+    backward over the same forward (the first with retain_graph)."""
     cast = {n: (t.to(case.dtype) if n in "qkv" else t.float()) for n, t in inputs.x.items()}
     if reference:
         cast = {n: t.double() for n, t in cast.items()}
@@ -99,7 +99,7 @@ def run_op(case: Case, inputs: Inputs, device, backend, reference=False, intra_c
     if case.with_dht:
         dfinal = inputs.dfinal.to(device)
         dfinal = dfinal.transpose(-1, -2) if case.state_v_first else dfinal
-    o, final = chunk_gated_delta_rule(
+    o, final = op(
         **xs, initial_state=h, output_final_state=True, cu_seqlens=None if inputs.cu is None else inputs.cu.to(device),
         backend=backend, state_v_first=case.state_v_first,
         intra_cp="off" if reference else (case.intra_cp if intra_cp is None else intra_cp), **op_options)

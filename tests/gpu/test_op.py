@@ -84,6 +84,18 @@ def test_a_second_backward_over_one_forward_within_limits(name):
     assert not over_limits(errs), errs
 
 
+@pytest.mark.parametrize("name", ["varlen_odd", "varlen_vfirst", "split_tp1_auto"])
+def test_compiled_op_within_limits(name):
+    """torch.compile(fullgraph=True) of the op: its custom ops, whose backward runs the forward
+    again (with its split, keeping its chunk states) and then the eager backward's kernels."""
+    case = CASES[name]
+    inputs = make_inputs(case)
+    want = run_op(case, inputs, "cuda", "torch", reference=True)
+    got = run_op(case, inputs, "cuda", "tilelang", op=torch.compile(chunk_gated_delta_rule, fullgraph=True))
+    errs = errors(got, want)
+    assert not over_limits(errs), errs
+
+
 @pytest.mark.parametrize("name", ["tp1_varlen_odd", "split_tp1_auto"])
 def test_a_training_step_replayed_from_a_cuda_graph_is_the_eager_one(name):
     """The op's fwd+bwd (kept chunk states, freed by the backward once its walks are done)

@@ -528,6 +528,26 @@ def test_gpu_cases_host_paths_run_and_match_their_kernels(name):
     assert_launches_match_signatures(launches)
 
 
+@pytest.mark.parametrize("name", ["varlen_odd", "varlen_vfirst"])
+def test_gpu_compiled_op_cases_host_paths_run_and_match_their_kernels(name):
+    """tests/gpu/test_op.py's compiled cases (torch.compile of the op: its custom ops, the backward
+    running the forward again) on the TileLang path with launches recorded, as above."""
+    from gdn_checks import make_inputs, run_op
+
+    from flash_qla_cp import chunk_gated_delta_rule
+
+    case = _gpu_op_cases()[name]
+    torch._dynamo.reset()
+    with tilelang_path(Launches(), ("ops", "api", "library_ops")) as launches:
+        out = run_op(case, make_inputs(case), "cpu", "tilelang",
+                     op=torch.compile(chunk_gated_delta_rule, fullgraph=True, backend="aot_eager"))
+    assert ("dh0" in out) == case.with_h0
+    names = [spec.name for spec, _ in launches.calls]
+    assert names.count("build_prepare_kernel") >= 2  # the forward, and the forward again in the backward
+    assert any(n.startswith("build_bwd") for n in names)
+    assert_launches_match_signatures(launches)
+
+
 @pytest.mark.parametrize("intra_cp,exact", [(8, True), ("auto", False)])
 def test_gpu_cp_case_host_path_runs_and_matches_its_kernels(intra_cp, exact):
     """tests/gpu/test_cp.py's single-process CP context (the torch split engine around the
