@@ -50,6 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from flash_qla_cp.testing import cuda_graph_replay  # noqa: E402
+from result_files import refuse_other_gpu, runs_with_rows  # noqa: E402
 
 CHUNK = 64
 
@@ -352,11 +353,8 @@ def main():
         "flops": flop_count.__doc__.strip(),
         "bytes": byte_count.__doc__.strip(),
     }
-    if args.merge:  # before any timing: rows of another GPU would be merged as this one's
-        with open(args.merge) as f:
-            earlier_gpu = json.load(f)["meta"]["gpu"]
-        if earlier_gpu != meta["gpu"]:
-            ap.error(f"--merge {args.merge}: its rows were measured on {earlier_gpu}, this GPU is {meta['gpu']}")
+    if args.merge:
+        refuse_other_gpu(ap, args.merge, meta["gpu"])
     meta["matmul_tflops"], meta["copy_gbps"] = measured_peaks()
     torch.cuda.empty_cache()
     print(json.dumps({"matmul_tflops": meta["matmul_tflops"], "copy_gbps": meta["copy_gbps"]}), flush=True)
@@ -446,10 +444,7 @@ def merged_results(meta, rows, earlier):
     def run_of(m):
         return {k: m[k] for k in ("date", "command", "matmul_tflops", "copy_gbps") if k in m}
 
-    runs = earlier["meta"].get("runs") or [run_of(earlier["meta"])]
-    measured = {r["measured"] for r in rows}
-    runs = [run for run in runs if run["date"] in measured and run["date"] != meta["date"]] + [run_of(meta)]
-    return {**meta, "runs": runs}, rows
+    return {**meta, "runs": runs_with_rows(earlier["meta"], meta, rows, run_of)}, rows
 
 
 def _fmt(row, key, nd=3):

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from flash_qla_cp import GatedDeltaNet  # noqa: E402
 from flash_qla_cp.testing import random_cu_seqlens, rel_err  # noqa: E402
+from result_files import refuse_other_gpu, runs_with_rows  # noqa: E402
 
 # name: (hidden, qk heads, v heads, head dim, batch, tokens per row, packed sequence lengths or None)
 SHAPES = {
@@ -225,11 +226,8 @@ def main():
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "command": " ".join(["python", "benchmarks/bench_layer.py", *sys.argv[1:]]), "versions": versions(),
             "dtype": str(dtype).replace("torch.", ""), "accuracy": {}}
-    if args.merge:  # before any timing: rows of another GPU would be merged as this one's
-        with open(args.merge) as f:
-            earlier_gpu = json.load(f)["meta"]["gpu"]
-        if earlier_gpu != meta["gpu"]:
-            ap.error(f"--merge {args.merge}: its rows were measured on {earlier_gpu}, this GPU is {meta['gpu']}")
+    if args.merge:
+        refuse_other_gpu(ap, args.merge, meta["gpu"])
     rows, checked = [], {}
     for name in args.shapes.split(","):
         for lib in args.libs.split(","):
@@ -262,12 +260,9 @@ def write_results(out_dir, meta, rows, merge=None):
         kept = [{"measured": earlier["meta"]["date"], **r} for r in earlier["rows"]
                 if (r["shape"], r["lib"], r["mode"]) not in done]
         rows = sorted(rows + kept, key=lambda r: (list(SHAPES).index(r["shape"]), r["lib"], r["mode"]))
-        # the runs that measured a row still in the files, each named once
-        measured = {r["measured"] for r in rows}
-        runs = earlier["meta"].get("runs") or [{"date": earlier["meta"]["date"], "command": earlier["meta"]["command"]}]
-        runs = [run for run in runs if run["date"] in measured and run["date"] != meta["date"]]
         meta = {**meta, "accuracy": {**earlier["meta"].get("accuracy", {}), **meta["accuracy"]},
-                "runs": runs + [{"date": meta["date"], "command": meta["command"]}]}
+                "runs": runs_with_rows(earlier["meta"], meta, rows, lambda m: {"date": m["date"],
+                                                                                "command": m["command"]})}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench_layer.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -73,7 +73,7 @@ def recording(sms):
         for name, value in (("compile_kernel", record), ("compile_plan", lambda *p: None),
                             ("sm_count", lambda d: sms)):
             stack.enter_context(mock.patch.object(runtime, name, value))
-        for module in ("ops", "api", "parallel.dual", "modules.fused_mixer", "modules.gated_deltanet"):
+        for module in ("ops", "api", "library_ops", "parallel.dual", "modules.fused_mixer", "modules.gated_deltanet"):
             stack.enter_context(mock.patch(f"flash_qla_cp.{module}.choose_backend", choose))
         yield found
 

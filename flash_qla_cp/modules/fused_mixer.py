@@ -118,9 +118,8 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
              cu_seqlens_cpu=None, output_final_state=False, positions=None, training=True, backward_reruns=False):
     """(y [B, T, HV * dv], o [B, T, HV, dv], the op's context without its inputs, token positions,
     the op's final states [N, HV, dk, dv] or None). positions: the rows' token positions where the
-    caller has them, else formed from cu_seqlens. backward_reruns: see `_compile_first_call`.
-    training: a backward follows (a first call then
-    compiles the backward's kernels too)."""
+    caller has them, else formed from cu_seqlens. training: a backward follows (a first call then
+    compiles the backward's kernels too). backward_reruns: see `_compile_first_call`."""
     B, T, width = P.shape
     lay = config.layout
     steps = _steps(config, conv_weight.shape[-1])
