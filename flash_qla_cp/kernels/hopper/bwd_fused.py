@@ -124,7 +124,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             x_s = T.alloc_shared((C, C), dtype)  # X
             # row / column sums for dG and dbeta: 0 colsum(dAg o Ag), 1 / 2 row / col of X o kk^T
             # (state); 3 / 4 row / col of Pm o qk^T, 5 the q term, 6 the -E t S^T term, 7 the
-            # v_new dS'^T term (grad)
+            # v_new dS'^T term (grad; the dG step adds <S, dS'>'s row-slice sums to its first RS)
             r_s = T.alloc_shared((8, C), acc)
             # private to the state warpgroup
             dvn_s = T.alloc_shared((C, V), dtype)  # dvn, then scale exp(G) dO
@@ -133,7 +133,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             vn_s = T.alloc_shared((C, V), dtype)  # v_new
             pm_s = T.alloc_shared((C, C), dtype)  # Pm
             dg_s = T.alloc_shared((C,), acc)
-            sc_s = T.alloc_shared((2,), acc)
+            hrow_s = T.alloc_shared((RS,), acc)  # row-slice sums of <S, dS'>
 
             # state warpgroup
             ds_f = T.alloc_fragment((K, V), acc)
@@ -141,27 +141,28 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             sa_f = T.alloc_fragment((C, C), acc)
             sx_f = T.alloc_fragment((C, C), acc)
             srow_f = T.alloc_fragment((C,), acc)
+            sd_f = T.alloc_fragment((C, C), acc)  # dAg^T o Ag^T, apart from sx_f (see the note below)
+            sdrow_f = T.alloc_fragment((C,), acc)
             glast_s = T.alloc_var(acc)
             # grad warpgroup
             qk_f = T.alloc_fragment((C, C), acc)
             cc_f = T.alloc_fragment((C, C), acc)
+            rc_f = T.alloc_fragment((C, C), acc)
             x_f = T.alloc_fragment((C, C), acc)
             vn_f = T.alloc_fragment((C, V), acc)
             acc_f = T.alloc_fragment((C, K), acc)  # dq, then dk
             tmp_f = T.alloc_fragment((C, K), acc)
             hd_f = T.alloc_fragment((RS, V), acc)
             hrow_f = T.alloc_fragment((RS,), acc)
-            # one fragment per reduction result: a fragment shared by several reductions joins
-            # their loops into one layout-inference component, which TileLang searches root by
-            # root (tens of seconds of lowering for the same generated code)
+            # one fragment per reduction result (and per unrelated use): a fragment shared by
+            # several reductions joins their loops into one layout-inference component, which
+            # TileLang searches root by root (tens of seconds of lowering for the same code)
             pmqk_row_f = T.alloc_fragment((C,), acc)
             q_term_f = T.alloc_fragment((C,), acc)
             te_term_f = T.alloc_fragment((C,), acc)
             vn_term_f = T.alloc_fragment((C,), acc)
             dg_f = T.alloc_fragment((C,), acc)
             col_f = T.alloc_fragment((C,), acc)
-            s_ds_f = T.alloc_fragment((1,), acc)
-            vn_total_f = T.alloc_fragment((1,), acc)
             glast_g = T.alloc_var(acc)
 
             landed = T.alloc_barrier(arrive_count=32)  # the walk's first tiles (the loader waits)
@@ -238,13 +239,13 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.copy(sa_f, da_s)
                     T.fence_proxy_async()
                     # colsum(dAg o Ag) (feeds dbeta) = rowsum(dAg^T o Ag^T), dAg^T = vres dvn^T
-                    T.gemm(vr_s, dvn_s, sx_f, transpose_B=True, clear_accum=True)
+                    T.gemm(vr_s, dvn_s, sd_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
-                        sx_f[i, j] = sx_f[i, j] * a_s[j, i]
+                        sd_f[i, j] = sd_f[i, j] * a_s[j, i]
                     for i, j in T.Parallel(C, C):
-                        sx_f[i, j] = T.if_then_else(j >= i, sx_f[i, j], T.float32(0))
-                    T.reduce_sum(sx_f, srow_f, dim=1)
-                    T.copy(srow_f, r_s[0, :])
+                        sd_f[i, j] = T.if_then_else(j >= i, sd_f[i, j], T.float32(0))
+                    T.reduce_sum(sd_f, sdrow_f, dim=1)
+                    T.copy(sdrow_f, r_s[0, :])
                     # M = dAg Ag^T -> da_s; X = -(Ag^T M) o Gam, strictly lower (= diag(beta) dA o Gam)
                     T.gemm(da_s, a_s, sa_f, transpose_B=True, clear_accum=True)
                     T.copy(sa_f, da_s)
@@ -355,8 +356,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         for i, d in T.Parallel(RS, V):
                             hd_f[i, d] += T.cast(h_s[sl * RS + i, d], acc) * T.cast(dh_s[sl * RS + i, d], acc)
                     T.reduce_sum(hd_f, hrow_f, dim=1)
-                    T.reduce_sum(hrow_f, s_ds_f, dim=0)
-                    sc_s[0] = s_ds_f[0] * T.exp2(glast_g * LOG2E)
+                    T.copy(hrow_f, hrow_s)
                     T.gemm(vn_s, dh_s, tmp_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(ds_free)
                     for i, d in T.Parallel(C, K):
@@ -367,8 +367,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
                     T.reduce_sum(tmp_f, vn_term_f, dim=1)
                     T.copy(vn_term_f, r_s[7, :])
-                    T.reduce_sum(vn_term_f, vn_total_f, dim=0)
-                    sc_s[1] = vn_total_f[0]
                     # X k + X^T k = (X + X^T) k (x_s and the dG / dbeta sums from the state warpgroup)
                     T.barrier_wait(x_ready, ph)
                     T.gemm(x_s, k_s, acc_f)
@@ -388,19 +386,26 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         if i < L:
                             dk_part[0, t0 + i, bhv, d] = acc_f[i, d]
                     T.barrier_arrive(free_c)
-                    # dG (reverse cumsum inside the chunk) and dbeta
+                    # dG and dbeta. dg[i] = sum_{j >= i} d[j] + c: d the row terms, c the last valid
+                    # row's scalar terms (exp(GL) <S, dS'> and the sum of the v_new terms), which
+                    # reach every row i < L. c enters as a row summed whole: the v_new terms (r_s[7])
+                    # plus <S, dS'>'s row-slice sums; no reduction to a scalar (each costs ~0.7 s
+                    # of TileLang's layout inference)
                     for i in T.Parallel(C):
-                        dg_s[i] = (
-                            r_s[5, i] + r_s[6, i] - r_s[7, i] + r_s[3, i] - r_s[4, i] + r_s[1, i] - r_s[2, i]
-                            + T.if_then_else(i == L - 1, sc_s[0] + sc_s[1], T.float32(0))
-                        )
-                    # reverse cumsum as a masked row sum: T.cumsum's scan indexes threads from 0
-                    # (TileLang 0.1.15 scan.h) and would skip this warpgroup's threads 128-255
+                        dg_s[i] = r_s[5, i] + r_s[6, i] - r_s[7, i] + r_s[3, i] - r_s[4, i] + r_s[1, i] - r_s[2, i]
+                    for i in T.Parallel(RS):
+                        r_s[7, i] = r_s[7, i] + hrow_s[i] * T.exp2(glast_g * LOG2E)
+                    # the reverse cumsum as a masked row sum (T.cumsum's scan indexes threads from 0,
+                    # TileLang 0.1.15 scan.h, and would skip this warpgroup's threads 128-255), in a
+                    # fragment of its own: sharing cc_f joined it to P's and Pm's loops in one
+                    # layout-inference component (~3.5 s more lowering)
                     for i, j in T.Parallel(C, C):
-                        cc_f[i, j] = dg_s[j]
+                        rc_f[i, j] = dg_s[j]
                     for i, j in T.Parallel(C, C):
-                        cc_f[i, j] = T.if_then_else(j >= i, cc_f[i, j], T.float32(0))
-                    T.reduce_sum(cc_f, dg_f, dim=1)
+                        rc_f[i, j] = T.if_then_else(j >= i, rc_f[i, j], T.float32(0))
+                    for i, j in T.Parallel(C, C):
+                        rc_f[i, j] = rc_f[i, j] + r_s[7, j]
+                    T.reduce_sum(rc_f, dg_f, dim=1)
                     for i in T.Parallel(C):
                         if i < L:
                             dg[0, t0 + i, bhv] = dg_f[i]
