@@ -84,7 +84,8 @@ def chunk_gated_delta_rule(
     check_intra_cp(intra_cp)
     if torch.compiler.is_compiling():  # traced: the torch.library custom ops
         return compiled_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-                           use_qk_l2norm_in_kernel, state_v_first, backend, intra_cp, check_options(kernel_options))
+                           use_qk_l2norm_in_kernel, state_v_first, backend, intra_cp, check_options(kernel_options),
+                           save_states)
     if intra_cp not in ("off", "auto") and choose_backend(backend, q, v) != "tilelang":
         return _torch_intra_split(q, k, v, g, beta, scale, initial_state, output_final_state,
                                   use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, backend, intra_cp)

@@ -21,8 +21,9 @@ than `kernels.layer.MAX_CONV_SIZE`); both compute in the same order.
 
 Eager calls run an autograd.Function, which hands the TileLang forward's kept chunk states to the
 backward; under torch.compile the same forward and backward run as registered custom ops
-(`flash_qla_cp::gdn_layer_mixer_fwd` / `_bwd`), the backward running the op's forward again for
-its chunk states (one more forward).
+(`flash_qla_cp::gdn_layer_mixer_fwd` / `_bwd`), the states handed over through a handle
+(`kept_states.py`). Where the forward kept none (save_states off, a second backward of a retained
+graph) the backward runs the op's forward again for them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from functools import partial
 
 import torch
 
+from .. import kept_states
 from ..backends import choose_backend
 from ..kernels import layer as kernel_steps
 from ..kernels import runtime
@@ -201,52 +203,60 @@ class FusedMixer(torch.autograd.Function):
 # ---- the same under torch.compile: custom ops with tensors and plain values only ---------------
 
 
-def _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, P) -> MixerConfig:
+def _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, save_states, P) -> MixerConfig:
     intra = intra_cp if intra_cp in ("auto", "off") else int(intra_cp)
-    return _resolved(MixerConfig(ProjectionLayout(*layout), allow_neg_eigval, norm_eps, scale, backend, intra, False),
-                     P)
+    return _resolved(MixerConfig(ProjectionLayout(*layout), allow_neg_eigval, norm_eps, scale, backend, intra,
+                                 save_states), P)
 
 
 @torch.library.custom_op("flash_qla_cp::gdn_layer_mixer_fwd", mutates_args=())
 def mixer_fwd(P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
               norm_weight: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
               layout: list[int], allow_neg_eigval: bool, norm_eps: float, scale: float, backend: str, intra_cp: str,
-              training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    config = _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, P)
-    # (training: a backward follows, which runs the op's forward again: its kernels compile now too;
-    # the offsets read back once here, as the op would, so that the first call knows its plans)
-    y, o, _, _, _ = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
-                             None if cu_seqlens is None else cu_seqlens.cpu(), training=training,
-                             backward_reruns=training)
-    return y, o
+              training: bool, save_states: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, o, the handle of what the backward takes: the op's context and the token positions)."""
+    keep = training and save_states
+    config = _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, keep, P)
+    # (training without kept states: the backward runs the op's forward again, whose kernels compile
+    # now too; the offsets read back once here, as the op would, so that the first call knows its plans)
+    y, o, gdn, positions, _ = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
+                                       None if cu_seqlens is None else cu_seqlens.cpu(), training=training,
+                                       backward_reruns=training and not keep)
+    # (on the torch backend the op keeps nothing: its backward recomputes from the inputs)
+    return y, o, kept_states.file((gdn, positions)) if keep and gdn.kernel_saved is not None else kept_states.nothing()
 
 
 @mixer_fwd.register_fake
 def _(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, layout, allow_neg_eigval, norm_eps,
-      scale, backend, intra_cp, training):
+      scale, backend, intra_cp, training, save_states):
     lay = ProjectionLayout(*layout)
     B, T, _ = P.shape
-    return P.new_empty(B, T, lay.num_v_heads * lay.head_v_dim), P.new_empty(B, T, lay.num_v_heads, lay.head_v_dim)
+    return (P.new_empty(B, T, lay.num_v_heads * lay.head_v_dim), P.new_empty(B, T, lay.num_v_heads, lay.head_v_dim),
+            kept_states.fake_handle())
 
 
 @torch.library.custom_op("flash_qla_cp::gdn_layer_mixer_bwd", mutates_args=())
-def mixer_bwd(dy: torch.Tensor, P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-              norm_weight: torch.Tensor, o: torch.Tensor, initial_state: torch.Tensor | None,
+def mixer_bwd(dy: torch.Tensor, handle: torch.Tensor, P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
+              dt_bias: torch.Tensor, norm_weight: torch.Tensor, o: torch.Tensor, initial_state: torch.Tensor | None,
               cu_seqlens: torch.Tensor | None, layout: list[int], allow_neg_eigval: bool, norm_eps: float, scale: float,
               backend: str, intra_cp: str) -> list[torch.Tensor]:
-    config = _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, P)
+    config = _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, False, P)
     B, T, _ = P.shape
-    # nothing kept from the forward: the op's backward runs its forward again (with the same split)
-    gdn = GDNContext(None, None, None, None, None, None, cu_seqlens, scale, False, False, config.backend,
-                     DEFAULT_OPTIONS, v_head_parts=True, intra_cp=config.intra_cp)
-    grads = _backward(dy.contiguous(), P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
-                      token_positions(B, T, cu_seqlens, P.device), gdn, config)
+    kept = kept_states.take(handle)
+    if kept is not None:
+        gdn, positions = kept
+    else:  # nothing kept from the forward: the op's backward runs its forward again (with the same split)
+        gdn = GDNContext(None, None, None, None, None, None, cu_seqlens, scale, False, False, config.backend,
+                         DEFAULT_OPTIONS, v_head_parts=True, intra_cp=config.intra_cp)
+        positions = token_positions(B, T, cu_seqlens, P.device)
+    grads = _backward(dy.contiguous(), P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions, gdn,
+                      config)
     dh0 = grads[-1]
     return [*grads[:-1], dh0 if dh0 is not None else P.new_empty(0)]
 
 
 @mixer_bwd.register_fake
-def _(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, cu_seqlens, layout, allow_neg_eigval,
+def _(dy, handle, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, cu_seqlens, layout, allow_neg_eigval,
       norm_eps, scale, backend, intra_cp):
     dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else P.new_empty(0)
     return [P.new_empty(P.shape), conv_weight.new_empty(conv_weight.shape), A_log.new_empty(A_log.shape),
@@ -254,16 +264,16 @@ def _(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, cu_seql
 
 
 def _setup_context(ctx, inputs, output):
-    P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, *values, _training = inputs
-    ctx.save_for_backward(P, conv_weight, A_log, dt_bias, norm_weight, output[1], initial_state, cu_seqlens)
+    P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, *values, _training, _save_states = inputs
+    ctx.save_for_backward(P, conv_weight, A_log, dt_bias, norm_weight, output[1], initial_state, cu_seqlens, output[2])
     ctx.values = values
 
 
-def _op_backward(ctx, dy, _do):
-    P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, cu_seqlens = ctx.saved_tensors
-    dP, dconv, dA_log, ddt_bias, dnorm, dh0 = mixer_bwd(dy, P, conv_weight, A_log, dt_bias, norm_weight, o,
+def _op_backward(ctx, dy, _do, _dhandle):
+    P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, cu_seqlens, handle = ctx.saved_tensors
+    dP, dconv, dA_log, ddt_bias, dnorm, dh0 = mixer_bwd(dy, handle, P, conv_weight, A_log, dt_bias, norm_weight, o,
                                                         initial_state, cu_seqlens, *ctx.values)
-    return (dP, dconv, dA_log, ddt_bias, dnorm, dh0 if initial_state is not None else None, *([None] * 8))
+    return (dP, dconv, dA_log, ddt_bias, dnorm, dh0 if initial_state is not None else None, *([None] * 9))
 
 
 mixer_fwd.register_autograd(_op_backward, setup_context=_setup_context)
@@ -275,10 +285,11 @@ def fused_mixer(P, conv_weight, A_log, dt_bias, norm_weight, config: MixerConfig
     cu_seqlens_cpu: a CPU copy of cu_seqlens, so that the op does not read it back from the GPU;
     positions: the rows' token positions where the caller has them (inference; `history_rows.py`)."""
     if torch.compiler.is_compiling():  # (whether a backward follows is known when the call is traced)
-        y, _ = mixer_fwd(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
-                         list(astuple(config.layout)), config.allow_neg_eigval, float(config.norm_eps),
-                         float(config.scale), config.backend, str(config.intra_cp),
-                         backward_will_run(P, conv_weight, A_log, dt_bias, norm_weight, initial_state))
+        y, _, _ = mixer_fwd(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
+                            list(astuple(config.layout)), config.allow_neg_eigval, float(config.norm_eps),
+                            float(config.scale), config.backend, str(config.intra_cp),
+                            backward_will_run(P, conv_weight, A_log, dt_bias, norm_weight, initial_state),
+                            bool(config.save_states))
         return y
     if not backward_will_run(P, conv_weight, A_log, dt_bias, norm_weight, initial_state):
         # inference: the forward alone, keeping nothing for a backward

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from flash_qla_cp import GatedDeltaNet
+from flash_qla_cp import GatedDeltaNet, kept_states
 from flash_qla_cp.modules import GDNCache
 from flash_qla_cp.kernels import layer as kernel_steps
 from flash_qla_cp.reference import layer_steps as torch_steps
@@ -83,7 +83,7 @@ def _layer_outputs(m, x, cu, run=None, **kw):
     """Output and gradients of one fwd+bwd of layer m (called through `run`, e.g. compiled, if given)."""
     x = x.detach().clone().requires_grad_(True)
     m.zero_grad()
-    out = (run or m)(x, cu_seqlens=cu, **kw)
+    out = (m if run is None else run)(x, cu_seqlens=cu, **kw)
     (out.double().square().sum() + out.double().sum()).backward()
     return {"out": out.detach(), "dx": x.grad, **{n: p.grad for n, p in m.named_parameters()}}
 
@@ -134,9 +134,10 @@ def test_training_shaped_layer_split_inside_packed_sequences_within_limits():
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "dense"])
 def test_compiled_layer_matches_the_eager_fused_layer(packed):
     """torch.compile(fullgraph=True) of the training recipe's layer on sequences long enough for the
-    intra-card split: its custom ops' backward runs the op's forward again and then the eager
-    backward's kernels, so output and gradients match the eager fused layer's (bf16 rounding of
-    the compiled projections aside: within 2e-3)."""
+    intra-card split: its custom ops run the eager layer's kernels, the backward on the chunk states
+    the forward kept (handed over by handle), so output and gradients match the eager fused
+    layer's (bf16 rounding of the compiled projections aside: within 2e-3), and no kept states are
+    left behind."""
     torch.manual_seed(0)
     m = GatedDeltaNet(1024, 8, 16, 128, 128, device="cuda", dtype=torch.float32).to(torch.bfloat16)
     cu = torch.tensor([0, 40000, 65536], dtype=torch.int32, device="cuda") if packed else None
@@ -145,6 +146,7 @@ def test_compiled_layer_matches_the_eager_fused_layer(packed):
     compiled = _layer_outputs(m, x, cu, run=torch.compile(m, fullgraph=True))
     errs = {k: rel_err(compiled[k], eager[k]) for k in eager}
     assert all(e <= 2e-3 for e in errs.values()), errs
+    assert kept_states.filed() == 0
 
 
 @pytest.mark.parametrize("proj_layout", ["qwen3_next", "qwen3_5"])

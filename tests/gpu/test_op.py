@@ -84,14 +84,17 @@ def test_a_second_backward_over_one_forward_within_limits(name):
     assert not over_limits(errs), errs
 
 
-@pytest.mark.parametrize("name", ["varlen_odd", "varlen_vfirst", "split_tp1_auto"])
-def test_compiled_op_within_limits(name):
-    """torch.compile(fullgraph=True) of the op: its custom ops, whose backward runs the forward
-    again (with its split, keeping its chunk states) and then the eager backward's kernels."""
+@pytest.mark.parametrize("name,save_states", [("varlen_odd", True), ("varlen_vfirst", True),
+                                               ("split_tp1_auto", True), ("split_tp1_auto", False)])
+def test_compiled_op_within_limits(name, save_states):
+    """torch.compile(fullgraph=True) of the op: its custom ops, whose backward takes the chunk
+    states the forward kept by handle, or with save_states off runs the forward again (with its
+    split, keeping its chunk states); then the eager backward's kernels."""
     case = CASES[name]
     inputs = make_inputs(case)
     want = run_op(case, inputs, "cuda", "torch", reference=True)
-    got = run_op(case, inputs, "cuda", "tilelang", op=torch.compile(chunk_gated_delta_rule, fullgraph=True))
+    got = run_op(case, inputs, "cuda", "tilelang", op=torch.compile(chunk_gated_delta_rule, fullgraph=True),
+                 save_states=save_states)
     errs = errors(got, want)
     assert not over_limits(errs), errs
 

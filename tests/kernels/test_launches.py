@@ -8,6 +8,7 @@ host time that made small eager calls host-bound on the H200).
 
 import contextlib
 import functools
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -40,6 +41,10 @@ class Launches:
 
     def params(self, i):
         return self.calls[i][0].kwargs
+
+    def forget_arguments(self):
+        """Drops the recorded launches' tensors (which would keep an output's autograd graph alive)."""
+        self.calls = [(spec, ()) for spec, _ in self.calls]
 
 
 @contextlib.contextmanager
@@ -530,21 +535,25 @@ def test_gpu_cases_host_paths_run_and_match_their_kernels(name):
 
 @pytest.mark.parametrize("name", ["varlen_odd", "varlen_vfirst"])
 def test_gpu_compiled_op_cases_host_paths_run_and_match_their_kernels(name):
-    """tests/gpu/test_op.py's compiled cases (torch.compile of the op: its custom ops, the backward
-    running the forward again) on the TileLang path with launches recorded, as above."""
+    """tests/gpu/test_op.py's compiled cases (torch.compile of the op: its custom ops, the kept
+    chunk states handed to the backward by handle) on the TileLang path with launches recorded:
+    the eager call's kernels, in order, and no kept states left over."""
     from gdn_checks import make_inputs, run_op
 
-    from flash_qla_cp import chunk_gated_delta_rule
+    from flash_qla_cp import chunk_gated_delta_rule, kept_states
 
     case = _gpu_op_cases()[name]
+    inputs = make_inputs(case)
+    with tilelang_path(Launches(), ("ops", "api", "library_ops")) as eager:
+        run_op(case, inputs, "cpu", "tilelang")
     torch._dynamo.reset()
     with tilelang_path(Launches(), ("ops", "api", "library_ops")) as launches:
-        out = run_op(case, make_inputs(case), "cpu", "tilelang",
+        out = run_op(case, inputs, "cpu", "tilelang",
                      op=torch.compile(chunk_gated_delta_rule, fullgraph=True, backend="aot_eager"))
     assert ("dh0" in out) == case.with_h0
-    names = [spec.name for spec, _ in launches.calls]
-    assert names.count("build_prepare_kernel") >= 2  # the forward, and the forward again in the backward
-    assert any(n.startswith("build_bwd") for n in names)
+    assert any(n.startswith("build_bwd") for n in launches.names())
+    assert launches.names() == eager.names()
+    assert kept_states.filed() == 0
     assert_launches_match_signatures(launches)
 
 
@@ -764,11 +773,13 @@ def test_a_backward_spends_what_the_forward_kept(lengths):
     assert h_walk[-1].data_ptr() != vres.data_ptr()
 
 
+@pytest.mark.parametrize("save_states", [True, False], ids=["", "save_states_off"])
 @pytest.mark.parametrize("with_states", [False, True], ids=["", "h0_and_final_state"])
-def test_compiled_op_backward_runs_the_eager_kernels(with_states):
-    """Under torch.compile the op's backward custom op gets nothing from the forward; it runs the
-    forward again (its split, its chunk states kept), then the eager backward's kernels: the
-    forward's partitions and the fused walk, not one unsplit walk per head."""
+def test_compiled_op_backward_runs_the_eager_kernels(with_states, save_states):
+    """Under torch.compile the op's backward custom op takes the forward's kept chunk states by
+    handle and launches the eager backward's kernels. With save_states off it runs the forward
+    again (its split, its chunk states kept), then the eager backward's kernels: the forward's
+    partitions and the fused walk, not one unsplit walk per head."""
     from flash_qla_cp import library_ops
 
     q, k, v, g, beta = inputs(32768, 2, 4)  # TP8 1 x 32k: split by intra_cp="auto"
@@ -783,22 +794,61 @@ def test_compiled_op_backward_runs_the_eager_kernels(with_states):
     with tilelang_path(compiled, ("ops", "api", "library_ops")):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
         o, final = library_ops.compiled_op(*leaves, h0, None, None, with_states, False, False, "auto", "auto",
-                                           KernelOptions())
+                                           KernelOptions(), save_states)
         forward_launches = len(compiled.calls)
         (o.sum() + (final.sum() if with_states else 0)).backward()
-    # the forward again (its split; no final state to return), then the eager backward's kernels
+    # (save_states off: the forward again, its split, no final state to return), then the eager
+    # backward's kernels
     again = compiled.names()[forward_launches:-backward_launches]
-    assert again[0] == "build_prepare_kernel" and again[-1] == "build_fused_fwd_ws4_kernel"
+    if save_states:
+        assert again == []
+    else:
+        assert again[0] == "build_prepare_kernel" and again[-1] == "build_fused_fwd_ws4_kernel"
     assert "build_bwd_fused_ws_kernel" in eager.names()
     assert [spec for spec, _ in compiled.calls[-backward_launches:]] == \
         [spec for spec, _ in eager.calls[len(eager_forward.calls):]]
     assert_launches_match_signatures(compiled)
 
 
-def test_compiled_fused_layer_backward_walks_the_forwards_partitions():
-    """The fused layer's compiled path (its custom ops, as a compiled graph calls them): the backward
-    launches the eager backward's op kernels, after the op's forward again."""
-    from flash_qla_cp import GatedDeltaNet
+@pytest.mark.parametrize("traced", [False, True], ids=["custom_ops", "torch_compile"])
+def test_compiled_op_kept_states_live_as_long_as_the_graph(traced):
+    """The chunk states a compiled forward files for its backward go with its autograd graph:
+    taken by the backward, dropped with a graph that never runs one; a second backward of a
+    retained graph finds none and runs the forward again. Through the custom ops as a compiled
+    graph calls them, and through torch.compile (aot_eager)."""
+    from flash_qla_cp import chunk_gated_delta_rule, kept_states, library_ops
+
+    q, k, v, g, beta = inputs(8192, 2, 4)
+    torch._dynamo.reset()
+    op = (torch.compile(chunk_gated_delta_rule, fullgraph=True, backend="aot_eager") if traced else
+          lambda *t: library_ops.compiled_op(*t, None, None, None, False, False, False, "auto", "auto",
+                                             KernelOptions()))
+    with tilelang_path(Launches(), ("ops", "api", "library_ops")) as launches:
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+        o, _ = op(*leaves)
+        assert kept_states.filed() == 1
+        launches.forget_arguments()
+        del o
+        assert kept_states.filed() == 0
+        o, _ = op(*leaves)
+        forward_end = len(launches.calls)
+        o.sum().backward(retain_graph=True)
+        first_end = len(launches.calls)
+        assert kept_states.filed() == 0
+        o.sum().backward()
+    names = launches.names()
+    assert "build_prepare_kernel" not in names[forward_end:first_end]
+    backward = names[forward_end:first_end]
+    assert names[first_end] == "build_prepare_kernel"  # the forward again, then the same backward
+    assert backward and names[-len(backward):] == backward
+
+
+@pytest.mark.parametrize("save_states", [True, False], ids=["", "save_states_off"])
+def test_compiled_fused_layer_backward_walks_the_forwards_partitions(save_states):
+    """The fused layer's compiled path (its custom ops, as a compiled graph calls them): the eager
+    layer's kernels, the backward taking the forward's chunk states by handle; with save_states
+    off, the backward launches the eager backward's op kernels after the op's forward again."""
+    from flash_qla_cp import GatedDeltaNet, kept_states
     from flash_qla_cp.modules import fused_mixer
 
     m = GatedDeltaNet(256, 2, 4, 128, 128, backend="torch").to(torch.bfloat16)
@@ -809,19 +859,24 @@ def test_compiled_fused_layer_backward_walks_the_forwards_partitions():
         launches = Launches()
         with tilelang_path(launches, ("ops",)), mock.patch.object(torch.compiler, "is_compiling", lambda: compiled):
             P = torch.nn.functional.linear(x, m._projection_weight())
-            y = fused_mixer.fused_mixer(P, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight, config)
+            y = fused_mixer.fused_mixer(P, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight,
+                                        replace(config, save_states=save_states or not compiled))
             forward_launches = len(launches.calls)
             y.sum().backward()
-        op = [spec for spec, _ in launches.calls if "layer_inputs" not in spec.name and "gated_norm" not in spec.name]
-        return op, len([s for s, _ in launches.calls[:forward_launches] if s in op]), launches
+        return launches, forward_launches
 
-    eager_op, eager_forward, _ = step(False)
-    compiled_op, compiled_forward, launches = step(True)
-    assert "build_bwd_fused_ws_kernel" in [spec.name for spec in eager_op]
-    # the compiled forward keeps nothing (no stored states); its backward: the eager forward's and
-    # backward's op kernels
-    assert compiled_op[compiled_forward:] == eager_op
-    assert_launches_match_signatures(launches)
+    eager, _ = step(False)
+    compiled, compiled_forward = step(True)
+    assert "build_bwd_fused_ws_kernel" in eager.names()
+    assert kept_states.filed() == 0
+    if save_states:
+        assert [spec for spec, _ in compiled.calls] == [spec for spec, _ in eager.calls]
+    else:  # the compiled forward keeps nothing; its backward: the eager forward's and backward's op kernels
+        op = [spec for spec, _ in eager.calls if "layer_inputs" not in spec.name and "gated_norm" not in spec.name]
+        compiled_op = [spec for spec, _ in compiled.calls[compiled_forward:]
+                       if "layer_inputs" not in spec.name and "gated_norm" not in spec.name]
+        assert compiled_op == op
+    assert_launches_match_signatures(compiled)
 
 
 @pytest.mark.parametrize("cu", [None, SPLIT_CU], ids=["dense", "varlen_split"])

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from flash_qla_cp import GatedDeltaNet, chunk_gated_delta_rule
+from flash_qla_cp import GatedDeltaNet, chunk_gated_delta_rule, kept_states
 from flash_qla_cp.library_ops import gdn_bwd, gdn_fwd
 from flash_qla_cp.testing import make_gdn_inputs, random_cu_seqlens, rel_err
 
@@ -58,10 +58,11 @@ def test_custom_ops_pass_opcheck():
     cu = random_cu_seqlens([20, 50])
     h0 = torch.randn(2, 2, 8, 8)
     args = (*(t.requires_grad_(True) for t in x.values()), h0.requires_grad_(True), cu, 0.3, True, False, False,
-            "torch", "off", "auto", True, True, True)
+            "torch", "off", "auto", True, True, True, True)
     torch.library.opcheck(gdn_fwd, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     do = torch.randn(1, 70, 2, 8)
-    bwd_args = (do, torch.randn(2, 2, 8, 8), *(t.detach() for t in x.values()), h0.detach(), cu, 0.3, False, False,
+    bwd_args = (do, torch.randn(2, 2, 8, 8), kept_states.nothing(), *(t.detach() for t in x.values()), h0.detach(),
+                cu, 0.3, False, False,
                 "torch", "off", "auto", True, True)
     torch.library.opcheck(gdn_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
 
@@ -93,6 +94,6 @@ def test_fused_layer_ops_pass_opcheck():
     P = torch.randn(1, 50, m.projection_layout.width, requires_grad=True)
     h0 = torch.randn(2, 4, 8, 8, requires_grad=True)
     args = (P, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight, h0, random_cu_seqlens([20, 30]),
-            list(dataclasses.astuple(m.projection_layout)), False, 1e-6, 8**-0.5, "torch", "auto", True)
+            list(dataclasses.astuple(m.projection_layout)), False, 1e-6, 8**-0.5, "torch", "auto", True, True)
     torch.library.opcheck(fused_mixer.mixer_fwd, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
