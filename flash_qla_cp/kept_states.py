@@ -10,8 +10,9 @@ An entry lives no longer than its handle: when the autograd graph that saved the
 without a backward, the entry goes with it. Without an entry (a second backward of a retained
 graph, or a forward that kept nothing) the backward runs the forward again.
 
-The handle lives on the CPU on purpose: torch.compile does not capture a graph holding a CPU
-tensor into a CUDA graph, whose replays would skip this host-side filing.
+Filing and taking are host work on every call, which a replayed CUDA graph would skip: the custom
+ops that do it carry `HOST_WORK_TAGS`, which keeps them out of the CUDA graphs torch.compile
+captures (mode="reduce-overhead").
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import itertools
 import weakref
 
 import torch
+
+# (the tag exists from torch 2.8 on; reading cu_seqlens back already kept the ops out of captures)
+HOST_WORK_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 _entries: dict[int, object] = {}
 _numbers = itertools.count()

@@ -30,7 +30,8 @@ def _intra(intra_cp: str):
     return intra_cp if intra_cp in ("auto", "off") else int(intra_cp)
 
 
-@torch.library.custom_op("flash_qla_cp::chunk_gated_delta_rule_fwd", mutates_args=())
+@torch.library.custom_op("flash_qla_cp::chunk_gated_delta_rule_fwd", mutates_args=(),
+                         tags=kept_states.HOST_WORK_TAGS)
 def gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
             output_final_state: bool, use_qk_l2norm_in_kernel: bool, state_v_first: bool, backend: str,
@@ -67,7 +68,8 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, us
     return o, q.new_empty(shape, dtype=compute_dtype(q)), kept_states.fake_handle()
 
 
-@torch.library.custom_op("flash_qla_cp::chunk_gated_delta_rule_bwd", mutates_args=())
+@torch.library.custom_op("flash_qla_cp::chunk_gated_delta_rule_bwd", mutates_args=(),
+                         tags=kept_states.HOST_WORK_TAGS)
 def gdn_bwd(do: torch.Tensor, dht: torch.Tensor | None, handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
             cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm_in_kernel: bool, state_v_first: bool,

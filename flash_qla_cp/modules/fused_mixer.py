@@ -209,7 +209,8 @@ def _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, sav
                                  save_states), P)
 
 
-@torch.library.custom_op("flash_qla_cp::gdn_layer_mixer_fwd", mutates_args=())
+@torch.library.custom_op("flash_qla_cp::gdn_layer_mixer_fwd", mutates_args=(),
+                         tags=kept_states.HOST_WORK_TAGS)
 def mixer_fwd(P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
               norm_weight: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
               layout: list[int], allow_neg_eigval: bool, norm_eps: float, scale: float, backend: str, intra_cp: str,
@@ -235,7 +236,8 @@ def _(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, la
             kept_states.fake_handle())
 
 
-@torch.library.custom_op("flash_qla_cp::gdn_layer_mixer_bwd", mutates_args=())
+@torch.library.custom_op("flash_qla_cp::gdn_layer_mixer_bwd", mutates_args=(),
+                         tags=kept_states.HOST_WORK_TAGS)
 def mixer_bwd(dy: torch.Tensor, handle: torch.Tensor, P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
               dt_bias: torch.Tensor, norm_weight: torch.Tensor, o: torch.Tensor, initial_state: torch.Tensor | None,
               cu_seqlens: torch.Tensor | None, layout: list[int], allow_neg_eigval: bool, norm_eps: float, scale: float,

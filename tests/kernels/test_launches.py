@@ -843,6 +843,33 @@ def test_compiled_op_kept_states_live_as_long_as_the_graph(traced):
     assert backward and names[-len(backward):] == backward
 
 
+def test_compiled_op_under_activation_checkpointing_keeps_nothing_past_the_forward():
+    """torch.utils.checkpoint around the compiled op's custom ops: the checkpointed forward drops
+    the handle, and its kept chunk states with it; the backward's recomputed forward files new ones,
+    which its backward takes: the same launches as the eager op under checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    from flash_qla_cp import chunk_gated_delta_rule, kept_states, library_ops
+
+    q, k, v, g, beta = inputs(8192, 2, 4)
+
+    def step(op):
+        launches = Launches()
+        with tilelang_path(launches, ("ops", "api", "library_ops")):
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+            o = checkpoint(lambda *t: op(*t)[0], *leaves, use_reentrant=False)
+            launches.forget_arguments()
+            filed = kept_states.filed()
+            o.sum().backward()
+        return launches.names(), filed
+
+    compiled, filed = step(lambda *t: library_ops.compiled_op(*t, None, None, None, False, False, False, "auto",
+                                                               "auto", KernelOptions()))
+    eager, _ = step(lambda *t: chunk_gated_delta_rule(*t, intra_cp="auto"))
+    assert filed == 0 and kept_states.filed() == 0
+    assert compiled == eager and compiled.count("build_prepare_kernel") == 2  # the forward, its recompute
+
+
 @pytest.mark.parametrize("save_states", [True, False], ids=["", "save_states_off"])
 def test_compiled_fused_layer_backward_walks_the_forwards_partitions(save_states):
     """The fused layer's compiled path (its custom ops, as a compiled graph calls them): the eager

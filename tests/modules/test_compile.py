@@ -97,3 +97,14 @@ def test_fused_layer_ops_pass_opcheck():
             list(dataclasses.astuple(m.projection_layout)), False, 1e-6, 8**-0.5, "torch", "auto", True, True)
     torch.library.opcheck(fused_mixer.mixer_fwd, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_custom_ops_are_kept_out_of_captured_cuda_graphs():
+    """The custom ops do host work on every call (kept chunk states filed and taken, offsets read
+    back): tagged so that torch.compile's CUDA graphs (mode="reduce-overhead") leave them out."""
+    if not hasattr(torch.Tag, "cudagraph_unsafe"):
+        pytest.skip("this torch has no cudagraph_unsafe tag")
+    ops = torch.ops.flash_qla_cp
+    for op in (ops.chunk_gated_delta_rule_fwd, ops.chunk_gated_delta_rule_bwd, ops.gdn_layer_mixer_fwd,
+               ops.gdn_layer_mixer_bwd):
+        assert torch.Tag.cudagraph_unsafe in op.default.tags, op
