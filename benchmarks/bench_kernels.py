@@ -50,7 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from flash_qla_cp.testing import cuda_graph_replay  # noqa: E402
-from result_files import refuse_other_gpu, runs_with_rows  # noqa: E402
+from result_files import refuse_other_gpu, refuse_unknown_shapes, runs_with_rows  # noqa: E402
 
 CHUNK = 64
 
@@ -339,8 +339,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     libs = [x for x in args.libs.split(",") if x]
     shapes = [x for x in args.shapes.split(",") if x]
-    if set(shapes) - set(SHAPES):
-        ap.error(f"--shapes: unknown {sorted(set(shapes) - set(SHAPES))}; known: {', '.join(SHAPES)}")
+    refuse_unknown_shapes(ap, shapes, SHAPES)
 
     meta = {
         "gpu": torch.cuda.get_device_name(),

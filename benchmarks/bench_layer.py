@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from flash_qla_cp import GatedDeltaNet  # noqa: E402
 from flash_qla_cp.testing import random_cu_seqlens, rel_err  # noqa: E402
-from result_files import refuse_other_gpu, runs_with_rows  # noqa: E402
+from result_files import refuse_other_gpu, refuse_unknown_shapes, runs_with_rows  # noqa: E402
 
 # name: (hidden, qk heads, v heads, head dim, batch, tokens per row, packed sequence lengths or None)
 SHAPES = {
@@ -218,8 +218,7 @@ def main():
     ap.add_argument("--check-tokens", type=int, default=4096, help="tokens of the accuracy check (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
-    if set(args.shapes.split(",")) - set(SHAPES):
-        ap.error(f"--shapes: unknown {sorted(set(args.shapes.split(',')) - set(SHAPES))}; known: {', '.join(SHAPES)}")
+    refuse_unknown_shapes(ap, args.shapes.split(","), SHAPES)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -1,6 +1,15 @@
-"""What the benchmarks' result files share: merging this run's rows into an earlier file's."""
+"""What the benchmarks share around their result files: the shapes a run may name, and merging this
+run's rows into an earlier file's."""
 
 import json
+
+
+def refuse_unknown_shapes(ap, names, known) -> None:
+    """--shapes naming a shape the benchmark does not have: an argparse error listing the known ones,
+    before any work."""
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        ap.error(f"--shapes: unknown {unknown}; known: {', '.join(known)}")
 
 
 def refuse_other_gpu(ap, merge_path: str, gpu: str) -> None:
