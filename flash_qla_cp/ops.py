@@ -44,8 +44,8 @@ class GDNContext:
     # qk-head's v-heads are dq, dk) where the TileLang kernels write them so: for a caller that
     # reads them summed (the fused layer's inputs kernel); never with use_qk_l2norm_in_kernel
     v_head_parts: bool = False
-    # the forward's intra-card split setting: where kernel_saved is not at hand (a compiled call),
-    # the TileLang backward runs the forward again with it (see `_tilelang_bwd`)
+    # the forward's intra-card split setting: where kernel_saved is not at hand (a compiled call
+    # that kept nothing), the TileLang backward runs the forward again with it (see `_tilelang_bwd`)
     intra_cp: object = "off"
 
 
@@ -164,10 +164,11 @@ def _tilelang_bwd(do, dht, ctx: GDNContext):
         q, k = q.detach(), k.detach()
         saved = ctx.kernel_saved
         if saved is None:
-            # a compiled call (its custom ops pass tensors only) kept nothing: the forward runs again
-            # with its split, keeping its chunk states, so that the backward walks the forward's
-            # partitions with the eager call's kernels (rebuilt unsplit, one walk per head, the
-            # walks filled 32 of 132 SMs at Qwen3-Next 1 x 32k: ~2 ms more per layer on an H100)
+            # a compiled call whose forward kept nothing (save_states off, or a second backward of
+            # a retained graph: `kept_states.py`): the forward runs again with its split, keeping
+            # its chunk states, so that the backward walks the forward's partitions with the eager
+            # call's kernels (rebuilt unsplit, one walk per head, the walks filled 32 of 132 SMs at
+            # Qwen3-Next 1 x 32k: ~2 ms more per layer on an H100)
             _, _, saved = tilelang_forward(q, k, ctx.v, ctx.g, ctx.beta, ctx.scale, ctx.initial_state, False,
                                            ctx.cu_seqlens, state_v_first=ctx.state_v_first, intra_cp=ctx.intra_cp,
                                            save_states=True, options=ctx.options)

@@ -107,6 +107,14 @@ def fwd_bwd(q, k, v, g, beta, cu=None, h0=None, with_dht=False, keep=True, intra
     return call
 
 
+def compiled_op(q, k, v, g, beta, h0=None, cu=None, final=False, save_states=True):
+    """The op through its custom ops, as a compiled graph calls them (intra_cp 'auto'): (o, final state or None)."""
+    from flash_qla_cp import library_ops
+
+    return library_ops.compiled_op(q, k, v, g, beta, h0, cu, None, final, False, False, "auto", "auto",
+                                   KernelOptions(), save_states)
+
+
 SPLIT_CU = torch.tensor([0, 40000, 65536], dtype=torch.int32)  # two sequences, long enough to split
 VARLEN_CU = torch.tensor([0, 5000, 5003, 12004, 16004, 20101], dtype=torch.int32)
 
@@ -780,8 +788,6 @@ def test_compiled_op_backward_runs_the_eager_kernels(with_states, save_states):
     handle and launches the eager backward's kernels. With save_states off it runs the forward
     again (its split, its chunk states kept), then the eager backward's kernels: the forward's
     partitions and the fused walk, not one unsplit walk per head."""
-    from flash_qla_cp import library_ops
-
     q, k, v, g, beta = inputs(32768, 2, 4)  # TP8 1 x 32k: split by intra_cp="auto"
     h0 = torch.zeros(1, 4, 128, 128) if with_states else None
     eager, eager_forward = Launches(), Launches()
@@ -793,8 +799,7 @@ def test_compiled_op_backward_runs_the_eager_kernels(with_states, save_states):
     compiled = Launches()
     with tilelang_path(compiled, ("ops", "api", "library_ops")):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
-        o, final = library_ops.compiled_op(*leaves, h0, None, None, with_states, False, False, "auto", "auto",
-                                           KernelOptions(), save_states)
+        o, final = compiled_op(*leaves, h0=h0, final=with_states, save_states=save_states)
         forward_launches = len(compiled.calls)
         (o.sum() + (final.sum() if with_states else 0)).backward()
     # (save_states off: the forward again, its split, no final state to return), then the eager
@@ -816,13 +821,11 @@ def test_compiled_op_kept_states_live_as_long_as_the_graph(traced):
     taken by the backward, dropped with a graph that never runs one; a second backward of a
     retained graph finds none and runs the forward again. Through the custom ops as a compiled
     graph calls them, and through torch.compile (aot_eager)."""
-    from flash_qla_cp import chunk_gated_delta_rule, kept_states, library_ops
+    from flash_qla_cp import chunk_gated_delta_rule, kept_states
 
     q, k, v, g, beta = inputs(8192, 2, 4)
     torch._dynamo.reset()
-    op = (torch.compile(chunk_gated_delta_rule, fullgraph=True, backend="aot_eager") if traced else
-          lambda *t: library_ops.compiled_op(*t, None, None, None, False, False, False, "auto", "auto",
-                                             KernelOptions()))
+    op = torch.compile(chunk_gated_delta_rule, fullgraph=True, backend="aot_eager") if traced else compiled_op
     with tilelang_path(Launches(), ("ops", "api", "library_ops")) as launches:
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
         o, _ = op(*leaves)
@@ -849,7 +852,7 @@ def test_compiled_op_under_activation_checkpointing_keeps_nothing_past_the_forwa
     which its backward takes: the same launches as the eager op under checkpointing."""
     from torch.utils.checkpoint import checkpoint
 
-    from flash_qla_cp import chunk_gated_delta_rule, kept_states, library_ops
+    from flash_qla_cp import chunk_gated_delta_rule, kept_states
 
     q, k, v, g, beta = inputs(8192, 2, 4)
 
@@ -863,8 +866,7 @@ def test_compiled_op_under_activation_checkpointing_keeps_nothing_past_the_forwa
             o.sum().backward()
         return launches.names(), filed
 
-    compiled, filed = step(lambda *t: library_ops.compiled_op(*t, None, None, None, False, False, False, "auto",
-                                                               "auto", KernelOptions()))
+    compiled, filed = step(compiled_op)
     eager, _ = step(lambda *t: chunk_gated_delta_rule(*t, intra_cp="auto"))
     assert filed == 0 and kept_states.filed() == 0
     assert compiled == eager and compiled.count("build_prepare_kernel") == 2  # the forward, its recompute
@@ -900,25 +902,25 @@ def test_compiled_fused_layer_backward_walks_the_forwards_partitions(save_states
         assert [spec for spec, _ in compiled.calls] == [spec for spec, _ in eager.calls]
     else:  # the compiled forward keeps nothing; its backward: the eager forward's and backward's op kernels
         op = [spec for spec, _ in eager.calls if "layer_inputs" not in spec.name and "gated_norm" not in spec.name]
-        compiled_op = [spec for spec, _ in compiled.calls[compiled_forward:]
-                       if "layer_inputs" not in spec.name and "gated_norm" not in spec.name]
-        assert compiled_op == op
+        after_forward = [spec for spec, _ in compiled.calls[compiled_forward:]
+                         if "layer_inputs" not in spec.name and "gated_norm" not in spec.name]
+        assert after_forward == op
     assert_launches_match_signatures(compiled)
 
 
+@pytest.mark.parametrize("save_states", [True, False], ids=["", "save_states_off"])
 @pytest.mark.parametrize("cu", [None, SPLIT_CU], ids=["dense", "varlen_split"])
-def test_compiled_op_first_fwd_bwd_compiles_in_one_round(cu):
+def test_compiled_op_first_fwd_bwd_compiles_in_one_round(cu, save_states):
     """The compiled op's forward, knowing a backward follows, compiles with its own kernels those
-    of the forward its backward runs again and of that backward: one round, before any launch."""
-    from flash_qla_cp import library_ops
-
+    of its backward (with save_states off, of the forward that backward runs again too): one
+    round, before any launch."""
     q, k, v, g, beta = inputs(65536 if cu is not None else 32768, 2, 4)
     launches = Launches()
     compile_plan, launched_before = launches.compile_plan, []
     launches.compile_plan = lambda *plans: launched_before.append(len(launches.calls)) or compile_plan(*plans)
     with tilelang_path(launches, ("ops", "api", "library_ops")):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
-        o, _ = library_ops.compiled_op(*leaves, None, cu, None, False, False, False, "auto", "auto", KernelOptions())
+        o, _ = compiled_op(*leaves, cu=cu, save_states=save_states)
         o.backward(torch.zeros_like(o))
     ready, rounds = set(), []
     for plans, launches_so_far in zip(launches.plans, launched_before):
