@@ -52,13 +52,16 @@ class GDNContext:
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_v_first=False, backend="auto",
                                intra_cp="off", cu_seqlens_cpu=None, save_states=False,
-                               kernel_options: KernelOptions | None = None, compile_with=(), v_head_parts=False):
+                               kernel_options: KernelOptions | None = None, compile_with=(), v_head_parts=False,
+                               backward_follows=False):
     """Forward only (no autograd graph). Returns (o, final_state or None, ctx).
 
     intra_cp ('off', 'auto' or an int P) cuts long sequences into partitions inside the
     TileLang kernels (`kernels/split.py`); the torch backend ignores it here.
     save_states: the TileLang forward keeps every chunk's entering state in ctx for `_bwd`
     (see `chunk_gated_delta_rule`); leave it False when no backward follows.
+    backward_follows: `chunk_gated_delta_rule_bwd` will run on ctx (implied by save_states): the
+    TileLang forward's first call compiles that backward's kernels with its own (one round).
     compile_with: kernel plans the TileLang forward compiles with its own on first use (the
     fused layer's steps: one round of compilation instead of two), or a function of the backward
     plan that will follow (None where the forward does not know it) returning them.
@@ -82,7 +85,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                 intra_cp=intra_cp, cu_seqlens_host=cu_seqlens_cpu, save_states=save_states, options=options,
                 backward_plan=_training_backward_plan(q.shape, v.shape, q.dtype, q.device, scale, initial_state is not None,
                                                       options, ctx.v_head_parts)
-                if save_states and not output_final_state else None, compile_with=compile_with,
+                if (save_states or backward_follows) and not output_final_state else None, compile_with=compile_with,
             )
         else:
             o, final_state = chunk_gated_delta_rule_torch(
@@ -93,9 +96,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
 
 def _training_backward_plan(q_shape, v_shape, dtype, device, scale, use_initial_state: bool, options: KernelOptions,
                             v_head_parts: bool):
-    """The plan the TileLang backward will choose after a forward that keeps its states for it
-    and returns no final state (so no final-state gradient): `tilelang_forward` compiles it with
-    its own on first use."""
+    """The plan the TileLang backward will choose after a training forward that returns no final
+    state (so no final-state gradient), as a function of what the forward decides (its walks,
+    split sequences, whether it keeps its chunk states): `tilelang_forward` compiles it with its
+    own on first use."""
     if not options.tilelang_backward:
         return None
     H, K, HV, V = q_shape[2], q_shape[3], v_shape[2], v_shape[3]
@@ -109,9 +113,9 @@ def _training_backward_plan(q_shape, v_shape, dtype, device, scale, use_initial_
 
 def tilelang_forward_plans(q_shape, v_shape, dtype, device, scale, use_initial_state: bool, output_final_state: bool,
                            num_seqs: int, cu_seqlens_cpu, intra_cp, save_states: bool, options: KernelOptions,
-                           v_head_parts: bool, compile_with=()) -> tuple:
+                           v_head_parts: bool, compile_with=(), backward_follows: bool = False) -> tuple:
     """The kernel plans `chunk_gated_delta_rule_fwd` compiles on first use on the TileLang
-    backend (its forward's, the backward's after a training forward, `compile_with`'s) for a
+    backend (its forward's, the backward's where one follows, `compile_with`'s) for a
     call of these shapes (state_v_first off; varlen: num_seqs sequences, B == 1), known before the
     call's inputs exist; () where they are not known without reading cu_seqlens back (a varlen
     split without its host copy)."""
@@ -123,7 +127,8 @@ def tilelang_forward_plans(q_shape, v_shape, dtype, device, scale, use_initial_s
     if varlen and cu_seqlens_cpu is None and splits(intra_cp, Tn, N):
         return ()
     backward = (_training_backward_plan(q_shape, v_shape, dtype, device, scale, use_initial_state, options,
-                                        v_head_parts) if save_states and not output_final_state else None)
+                                        v_head_parts)
+                if (save_states or backward_follows) and not output_final_state else None)
     call = plan_call(B, Tn, H, HV, K, V, dtype, scale, varlen, N, cu_seqlens_cpu if varlen else None, intra_cp,
                      use_initial_state, output_final_state, False, save_states, options, runtime.sm_count(device),
                      backward, compile_with)
@@ -286,6 +291,7 @@ def single_device_op(q, k, v, g, beta, initial_state=None, save_states=True, **o
     backward runs the forward alone, without autograd.Function's host cost."""
     needs_backward = backward_will_run(q, k, v, g, beta, initial_state)
     options["save_states"] = keep_chunk_states(save_states, needs_backward)
+    options["backward_follows"] = needs_backward
     if not needs_backward:
         o, final_state, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=initial_state, **options)
         return o, final_state

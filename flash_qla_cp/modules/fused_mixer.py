@@ -92,7 +92,7 @@ def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, training: boo
 
 
 def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cpu, output_final_state,
-                        config: MixerConfig, step_plans, backward_reruns: bool):
+                        config: MixerConfig, step_plans, training: bool, backward_reruns: bool):
     """A configuration's first call compiles every kernel of its fwd+bwd, the steps' and the op's,
     in one parallel round before the inputs step runs (else the inputs step's kernel compiles
     alone first, then the rest with the op: two rounds, the first ~8 s on an H100 machine).
@@ -108,7 +108,8 @@ def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cp
     options = check_options(config.kernel_options)
     # (where the backward runs the forward again, the steps' plans follow that forward's backward plan)
     op_plans = tilelang_forward_plans(*shapes, output_final_state, num_seqs, cu_seqlens_cpu, config.intra_cp,
-                                      config.save_states, options, True, () if backward_reruns else step_plans)
+                                      config.save_states, options, True, () if backward_reruns else step_plans,
+                                      backward_follows=training and not backward_reruns)
     if op_plans and backward_reruns:
         op_plans += tilelang_forward_plans(*shapes, False, num_seqs, cu_seqlens_cpu, config.intra_cp, True, options,
                                            True, step_plans)
@@ -130,7 +131,7 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
                   if steps is kernel_steps else ())
     if steps is kernel_steps:
         _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cpu, output_final_state, config,
-                            step_plans, backward_reruns)
+                            step_plans, training, backward_reruns)
     rows = P.view(B * T, width)
     if positions is None:
         positions = token_positions(B, T, cu_seqlens, P.device)
@@ -141,7 +142,8 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
         g.view(B, T, -1), beta.view(B, T, -1), scale=config.scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp,
         save_states=config.save_states, kernel_options=config.kernel_options, cu_seqlens_cpu=cu_seqlens_cpu,
-        compile_with=() if backward_reruns else step_plans, v_head_parts=True)
+        compile_with=() if backward_reruns else step_plans, v_head_parts=True,
+        backward_follows=training and not backward_reruns)
     y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
     # the op's inputs are recomputed from P in the backward (identical values), not kept
     gdn = replace(gdn, q=None, k=None, v=None, g=None, beta=None, initial_state=None)

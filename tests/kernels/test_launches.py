@@ -584,19 +584,21 @@ def test_gpu_cp_case_host_path_runs_and_matches_its_kernels(intra_cp, exact):
     assert_launches_match_signatures(launches)
 
 
+@pytest.mark.parametrize("save_states", [True, False], ids=["", "save_states_off"])
 @pytest.mark.parametrize("lengths", [(40000, 25536), (4096, 1, 300)], ids=["split", "unsplit"])
 @pytest.mark.parametrize("traced", [False, True], ids=["", "compiled_path"])
-def test_fused_layer_compiles_only_kernels_it_launches(lengths, traced):
+def test_fused_layer_compiles_only_kernels_it_launches(lengths, traced, save_states):
     """A training step of the fused layer compiles all its kernels in one round before the first
     launch (the op's forward with the backward it predicts and both layer steps, the inputs
     step's forward kernel included): every kernel compiled is launched in that step, so no round
     spends minutes on a kernel the step does not use. The same along the compiled path (the
-    custom ops a torch.compile graph calls), whose backward runs the op's forward again."""
+    custom ops a torch.compile graph calls), whose backward runs the op's forward again, and with
+    save_states off (the backward recomputes the chunk states)."""
     from flash_qla_cp.kernels.layer import StepPlan
 
     from flash_qla_cp import GatedDeltaNet
 
-    m = GatedDeltaNet(256, 2, 4, 128, 128, intra_cp="auto").to(torch.bfloat16)
+    m = GatedDeltaNet(256, 2, 4, 128, 128, intra_cp="auto", save_states=save_states).to(torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     x = torch.zeros(1, sum(lengths), 256, dtype=torch.bfloat16, requires_grad=True)
     launches = Launches()
@@ -908,19 +910,27 @@ def test_compiled_fused_layer_backward_walks_the_forwards_partitions(save_states
     assert_launches_match_signatures(compiled)
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "compiled_path"])
 @pytest.mark.parametrize("save_states", [True, False], ids=["", "save_states_off"])
 @pytest.mark.parametrize("cu", [None, SPLIT_CU], ids=["dense", "varlen_split"])
-def test_compiled_op_first_fwd_bwd_compiles_in_one_round(cu, save_states):
-    """The compiled op's forward, knowing a backward follows, compiles with its own kernels those
-    of its backward (with save_states off, of the forward that backward runs again too): one
-    round, before any launch."""
+def test_op_first_fwd_bwd_compiles_in_one_round(cu, save_states, traced):
+    """The op's forward, knowing a backward follows, compiles with its own kernels those of its
+    backward (with save_states off: the backward that recomputes the chunk states; along the
+    compiled path, the forward that backward runs again and its backward): one round, before any
+    launch."""
+    from flash_qla_cp import chunk_gated_delta_rule
+
     q, k, v, g, beta = inputs(65536 if cu is not None else 32768, 2, 4)
     launches = Launches()
     compile_plan, launched_before = launches.compile_plan, []
     launches.compile_plan = lambda *plans: launched_before.append(len(launches.calls)) or compile_plan(*plans)
     with tilelang_path(launches, ("ops", "api", "library_ops")):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
-        o, _ = compiled_op(*leaves, cu=cu, save_states=save_states)
+        if traced:
+            o, _ = compiled_op(*leaves, cu=cu, save_states=save_states)
+        else:
+            o, _ = chunk_gated_delta_rule(*leaves, cu_seqlens=cu, cu_seqlens_cpu=cu, intra_cp="auto",
+                                          save_states=save_states)
         o.backward(torch.zeros_like(o))
     ready, rounds = set(), []
     for plans, launches_so_far in zip(launches.plans, launched_before):
