@@ -161,9 +161,9 @@ def layer_shape_step(name, lib="ours"):
     """One fwd+bwd of our GatedDeltaNet (`lib` of benchmarks/bench_layer.py) on the named shape of
     that benchmark, on CPU tensors with the matmuls skipped (the host path the benchmark runs),
     as a callable: the layer and its input are built here, the step runs when called."""
+    layer, cu, shape = layer_shape(name, lib)  # (puts benchmarks/ on the path)
     from bench_layer import call
 
-    layer, cu, shape = layer_shape(name, lib)
     x = torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True)
 
     def step():
