@@ -27,7 +27,8 @@
 #   cold_start benchmarks/bench_cold_start.py (COLD_ARGS, e.g. --no-precompile)
 #   compile_times  tools/compile_times.py --first-call on SHAPE (a bench_layer shape), into an empty cache
 #              and then the carried one; PER_KERNEL=1 adds each kernel's lowering and build times
-#   grad_errors  tools/layer_grad_errors.py: the op's gradients inside the layer against float64 (SHAPE)
+#   grad_errors  tools/layer_grad_errors.py: the op's gradients inside the layer against float64 (SHAPE; SEEDS
+#              draws of the input, default 8: medians, and in how many the fused path is ahead)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # several invocations in one device call (different options per phase) unpack once
@@ -99,7 +100,7 @@ for phase in "$@"; do
       [ -n "${PER_KERNEL:-}" ] && timeout "${BENCH_TIMEOUT:-300}" python tools/compile_times.py \
         --shape "${SHAPE:-qwen3_next_1x32k}" --out "$OUT/compile_times" 2>&1 | grep '^{' | cut -c1-300 ;;
     grad_errors) timeout "${BENCH_TIMEOUT:-200}" python tools/layer_grad_errors.py --shape "${SHAPE:-recipe_1x32k}" \
-                   2>&1 | grep '^{' | cut -c1-600 ;;
+                   --seeds "${SEEDS:-8}" 2>&1 | grep '^{' | cut -c1-700 ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

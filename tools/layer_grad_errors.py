@@ -2,17 +2,22 @@
 GatedDeltaNet, fused and step by step, each against the same layer in float64 (torch backend),
 on the accuracy check of benchmarks/bench_layer.py (its weights, input and output gradient).
 
-    python tools/layer_grad_errors.py [--shape recipe_1x32k] [--tokens 4096]
+    python tools/layer_grad_errors.py [--shape recipe_1x32k] [--tokens 4096] [--seeds 1]
 
 Prints one JSON line: per path, the relative L2 error of each op gradient and of the parameter
 gradients that sum them over tokens (dt_bias's, A_log's). A path whose op gradients match the
 other's but whose sums do not loses accuracy after the op (the layer-inputs step); one whose dg
-is already worse loses it in the op's backward or in the inputs it gave the op.
+is already worse loses it in the op's backward or in the inputs it gave the op. With --seeds N
+the input and output gradient are drawn N times (the weights stay bench_layer's): each error is
+then the median over the draws, and `fused_ahead` counts the draws where the fused path's error
+is the smaller (dt_bias's and A_log's are sums over tokens of 16-32 values each: one draw's
+ranking of the two paths is noisy).
 """
 
 import argparse
 import json
 import os
+import statistics
 import sys
 from unittest import mock
 
@@ -58,23 +63,31 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="recipe_1x32k", help="a shape of benchmarks/bench_layer.py")
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--seeds", type=int, default=1, help="draws of the input and output gradient")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     hidden, H, HV, D = SHAPES[args.shape][:4]
     device = torch.device(args.device)
     ref = make_layer("ours", hidden, H, HV, D, device, torch.float64)
     ref.backend = "torch"
-    x = torch.randn(1, args.tokens, hidden, device=device, dtype=torch.float64)
-    dy = torch.randn_like(x)
-    errors = {}
-    for lib in ("ours", "ours_steps"):
-        layer = make_layer(lib, hidden, H, HV, D, device, torch.bfloat16)
-        ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
-        ref.zero_grad()
-        want = op_gradients(ref, x, dy)
-        got = op_gradients(layer, x.to(torch.bfloat16), dy)
-        errors[lib] = {k: f"{rel_err(got[k], want[k]):.1e}" for k in want}
-    print(json.dumps({"shape": args.shape, "tokens": args.tokens, "device": str(device), "errors": errors}))
+    layers = {lib: make_layer(lib, hidden, H, HV, D, device, torch.bfloat16) for lib in ("ours", "ours_steps")}
+    draws = {lib: [] for lib in layers}
+    for seed in range(args.seeds):
+        torch.manual_seed(1 + seed)
+        x = torch.randn(1, args.tokens, hidden, device=device, dtype=torch.float64)
+        dy = torch.randn_like(x)
+        for lib, layer in layers.items():
+            ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+            ref.zero_grad()
+            layer.zero_grad()
+            want = op_gradients(ref, x, dy)
+            got = op_gradients(layer, x.to(torch.bfloat16), dy)
+            draws[lib].append({k: rel_err(got[k], want[k]) for k in want})
+    names = list(draws["ours"][0])
+    errors = {lib: {k: f"{statistics.median(d[k] for d in rows):.1e}" for k in names} for lib, rows in draws.items()}
+    ahead = {k: sum(f[k] < s[k] for f, s in zip(draws["ours"], draws["ours_steps"])) for k in names}
+    print(json.dumps({"shape": args.shape, "tokens": args.tokens, "seeds": args.seeds, "device": str(device),
+                      "errors": errors, "fused_ahead": ahead}))
 
 
 if __name__ == "__main__":
