@@ -414,6 +414,12 @@ class GatedDeltaNet(nn.Module):
             _fail(f"hidden_states last dim is {D}, but the layer was built with hidden_size={self.hidden_size}")
         if not x.is_floating_point():
             _fail(f"hidden_states must be floating point, got {x.dtype}")
+        weight = self.out_proj.weight
+        if x.device != weight.device:
+            _fail(f"hidden_states is on {x.device}, the layer's parameters on {weight.device}")
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            _fail(f"hidden_states is {x.dtype}, the layer's parameters {weight.dtype}: cast one to the other "
+                  f"(e.g. layer.to({x.dtype})) or run under torch.autocast")
         if attention_mask is not None:
             if cu_seqlens is not None:
                 _fail("pass either attention_mask (padding) or cu_seqlens (packing), not both")

@@ -389,6 +389,8 @@ def test_bad_input_raises_clear_errors():
         (lambda: m(_x(2, 5)[..., :16]), "hidden_size=32"),
         (lambda: m(x[0]), "3-D"),
         (lambda: m(x.long()), "floating"),
+        (lambda: m(x.float()), "hidden_states is torch.float32, the layer's parameters torch.float64"),
+        (lambda: m(x.to("meta")), "hidden_states is on meta, the layer's parameters on cpu"),
         (lambda: m(x, attention_mask=torch.ones(2, 4)), "attention_mask"),
         (lambda: m(x[:1], attention_mask=torch.ones(1, 5), cu_seqlens=random_cu_seqlens([5])), "not both"),
         (lambda: m(x, cu_seqlens=random_cu_seqlens([2, 3])), "batch size must be 1"),
@@ -413,6 +415,8 @@ def test_bad_input_raises_clear_errors():
     for fn, words in cases:
         with pytest.raises(ValueError, match=words):
             fn()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (mixed dtypes are autocast's job there)
+        assert _layer(dtype=torch.float32)(x.bfloat16()).dtype == torch.bfloat16
 
 
 def test_conv_function_rejects_unknown_activation():
