@@ -1,6 +1,9 @@
-"""The benchmarks' result files: merging a run into an earlier one keeps one process per shape."""
+"""The benchmarks' result files: merging a run into an earlier one keeps one process per shape; the
+cold-start benchmark's table."""
 
+import json
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -65,3 +68,17 @@ def test_layer_benchmark_refuses_to_merge_rows_of_another_gpu(tmp_path):
     assert run.returncode == 2
     assert "measured on NVIDIA H200, this GPU is cpu" in run.stderr
     assert not (tmp_path / "bench_layer.md").exists()
+
+
+def test_cold_start_table_splits_the_first_call(tmp_path):
+    """bench_cold_start on the CPU (torch backend: nothing to build) runs its fresh processes and
+    writes each case's first call with its kernel rounds (none here) and the rest."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_cold_start.py")
+    subprocess.run([sys.executable, script, "--device", "cpu", "--tokens", "64", "--hidden", "32", "--heads", "2",
+                    "--v-heads", "4", "--head-dim", "16", "--out", str(tmp_path)], check=True, capture_output=True)
+    result = json.loads((tmp_path / "bench_cold_start.json").read_text())
+    for case in ("cold", "warm"):
+        assert result[case]["build_rounds"] == [] and result[case]["first_call_s"] > 0
+    table = (tmp_path / "bench_cold_start.md").read_text()
+    assert "| cache | first call s | of that, kernel rounds (kernels: s) | rest s | steady ms |" in table
+    assert f"| cold | {result['cold']['first_call_s']} | - | {result['cold']['first_call_s']} |" in table

@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +21,8 @@ import torch
 
 from . import prim_func_store
 from .hopper.common import default_pass_configs, import_tilelang
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,12 @@ def precompile(specs, num_workers: int = 8) -> int:
     tilelang, _ = import_tilelang()
     with _compiling():
         todo = [s for s in todo if s not in _launchers]  # (another thread may have built them)
+        if not todo:
+            return 0
+        start = time.perf_counter()
+        # (a new configuration's first call waits here: tens of seconds when nothing is cached)
+        log.info("%d TileLang kernel(s) to load from the disk cache %s or compile there", len(todo),
+                 tilelang.env.TILELANG_CACHE_DIR)
         funcs = [prim_func_store.prim_func(s) for s in todo]  # (saved ones read back: no builder runs)
         if len(todo) == 1:
             kernels = [tilelang.compile(funcs[0], target="cuda", pass_configs=default_pass_configs())]
@@ -179,6 +189,7 @@ def precompile(specs, num_workers: int = 8) -> int:
         for spec, kernel in zip(todo, kernels):
             _launchers[spec] = DirectLaunch(kernel)
             _log_kernel(spec)
+        log.info("%d TileLang kernel(s) ready in %.1f s", len(todo), time.perf_counter() - start)
     return len(todo)
 
 
