@@ -2,6 +2,11 @@
 
     python -m flash_qla_cp.precompile --heads 16 --v-heads 32 --head-dim 128 [--dtype bf16]
         [--layer qwen3_next [--conv-size 4] [--norm-eps 1e-6] [--allow-neg-eigval]] [--list]
+    python -m flash_qla_cp.precompile --config path/to/model [--dtype bf16] [--list]
+
+`--config` reads the heads, head dims, projection layout, conv width, norm eps and dtype of a
+Hugging Face Qwen3-Next / Qwen3.5 model from its config.json (the file, or the model's directory)
+and includes the fused layer's kernels.
 
 Fills TileLang's kernel cache (TILELANG_CACHE_DIR, ~/.tilelang/cache by default) with every kernel
 the forward and backward plans may choose for that head configuration on this GPU: dense and
@@ -15,8 +20,11 @@ kernels without compiling (no GPU needed); `--sms` sets the SM count (default: t
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -24,6 +32,7 @@ from .kernels import runtime
 from .kernels.backward import plan_backward
 from .kernels.forward import plan_forward
 from .kernels.layer import plan_gated_norm, plan_layer_inputs
+from .modules.hf_params import kwargs_from_config
 from .reference.layer_steps import ProjectionLayout
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -75,23 +84,63 @@ def layer_specs(H: int, HV: int, K: int, V: int, dtype: str, layout: str, conv_s
     return [*inputs, *plan_gated_norm(lay, dtype, norm_eps).specs()]
 
 
+def config_settings(path: str) -> dict:
+    """The precompile settings of a Hugging Face Qwen3-Next / Qwen3.5 config.json (`path`: the file
+    or the model's directory): heads, head dims, layer layout, conv width, norm eps, and the dtype
+    where the config names bf16 or fp16 (else None)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        outer = config = json.load(f)
+    if "linear_num_key_heads" not in config:  # (multimodal Qwen3.5 configs nest the language model's)
+        config = config.get("text_config") or {}
+    if "linear_num_key_heads" not in config:
+        raise ValueError(f"{path}: no linear_num_key_heads, not a Qwen3-Next / Qwen3.5 config")
+    layer = kwargs_from_config(SimpleNamespace(**config))
+    named = [c.get(key) for c in (config, outer) for key in ("dtype", "torch_dtype")]
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(next((d for d in named if d), None))
+    return {"heads": layer["num_heads"], "v_heads": layer["num_v_heads"], "head_k_dim": layer["head_k_dim"],
+            "head_v_dim": layer["head_v_dim"], "layer": layer["proj_layout"], "conv_size": layer["conv_size"],
+            "norm_eps": layer["norm_eps"], "dtype": dtype}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flash_qla_cp.precompile", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--heads", type=int, required=True, help="q / k heads (H)")
+    ap.add_argument("--config", help="a Hugging Face Qwen3-Next / Qwen3.5 config.json or model directory (instead "
+                                     "of --heads ... --layer ...)")
+    ap.add_argument("--heads", type=int, default=None, help="q / k heads (H)")
     ap.add_argument("--v-heads", type=int, default=None, help="v heads (HV, a multiple of H; default H)")
     ap.add_argument("--head-dim", type=int, default=128, help="K and V, unless --head-k-dim / --head-v-dim")
     ap.add_argument("--head-k-dim", type=int, default=None)
     ap.add_argument("--head-v-dim", type=int, default=None)
-    ap.add_argument("--dtype", default="bf16", help="comma-separated: bf16, fp16")
+    ap.add_argument("--dtype", default=None, help="comma-separated: bf16, fp16 (default: the config's, else bf16)")
     ap.add_argument("--layer", choices=sorted(LAYOUTS), default=None,
                     help="also the fused GatedDeltaNet layer's kernels for this projection layout")
-    ap.add_argument("--conv-size", type=int, default=4, help="the layer's short conv width (with --layer)")
-    ap.add_argument("--norm-eps", type=float, default=1e-6, help="the layer's gated RMSNorm eps (with --layer)")
+    ap.add_argument("--conv-size", type=int, default=None, help="the layer's short conv width (with --layer; "
+                                                                "default 4)")
+    ap.add_argument("--norm-eps", type=float, default=None, help="the layer's gated RMSNorm eps (with --layer; "
+                                                                 "default 1e-6)")
     ap.add_argument("--allow-neg-eigval", action="store_true", help="the layer's beta in (0, 2) (with --layer)")
     ap.add_argument("--sms", type=int, default=None, help="SM count (default: the GPU's)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--list", action="store_true", help="print the kernels, compile nothing")
     args = ap.parse_args(argv)
+    if (args.config is None) == (args.heads is None):
+        ap.error("give either --config or --heads")
+    if args.config is not None:
+        model_options = ("v_heads", "head_k_dim", "head_v_dim", "layer", "conv_size", "norm_eps")
+        given = [f"--{name.replace('_', '-')}" for name in model_options if getattr(args, name) is not None]
+        if given:
+            ap.error(f"--config sets the model's heads and layer; leave out {', '.join(given)}")
+        try:
+            settings = config_settings(args.config)
+        except (OSError, ValueError, KeyError) as exc:
+            ap.error(f"--config {args.config}: {exc}")
+        config_dtype = settings.pop("dtype")
+        vars(args).update(settings, dtype=args.dtype or config_dtype)
+    args.dtype = args.dtype or "bf16"
+    args.conv_size = 4 if args.conv_size is None else args.conv_size
+    args.norm_eps = 1e-6 if args.norm_eps is None else args.norm_eps
     H, HV = args.heads, args.v_heads or args.heads
     K, V = args.head_k_dim or args.head_dim, args.head_v_dim or args.head_dim
     if H < 1 or HV % H or min(K, V) < 1:

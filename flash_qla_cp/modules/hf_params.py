@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 
-def _kwargs_from_config(config, state_dict=None) -> dict:
+def kwargs_from_config(config, state_dict=None) -> dict:
     if not hasattr(config, "linear_num_key_heads") and hasattr(config, "get_text_config"):
         config = config.get_text_config()  # multimodal Qwen3.5 configs nest the language model's
     if state_dict is not None:
@@ -83,7 +83,7 @@ def gdn_from_qwen3_next(cls, hf_layer_or_config, state_dict=None, backend="auto"
                 module.layer_type = layer.layer_type
             return module
     else:
-        kwargs = {**_kwargs_from_config(hf_layer_or_config, state_dict), "backend": backend, **overrides}
+        kwargs = {**kwargs_from_config(hf_layer_or_config, state_dict), "backend": backend, **overrides}
     if state_dict is None:
         return cls(**kwargs)
     some = next(iter(state_dict.values()))

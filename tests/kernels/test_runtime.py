@@ -218,6 +218,41 @@ def test_precompile_with_layer_lists_every_kernel_the_layer_benchmark_launches()
     assert launched and not missing, [(s.name, s.kwargs) for s in missing]
 
 
+def test_precompile_reads_a_hugging_face_config(tmp_path, capsys):
+    """`--config` (a Qwen3-Next config.json, or a multimodal Qwen3.5 model directory whose text
+    config holds the layer) lists what the same heads, dims, layout, conv width, eps and dtype
+    given as flags list; flags that the config sets, or a config of another model, are refused."""
+    transformers = pytest.importorskip("transformers")
+    from flash_qla_cp.precompile import main
+
+    def listed(argv):
+        assert main([*argv, "--sms", "132", "--list"]) == 0
+        return capsys.readouterr().out
+
+    next_config = transformers.Qwen3NextConfig(hidden_size=256, linear_num_key_heads=2, linear_num_value_heads=4,
+                                               linear_key_head_dim=64, linear_value_head_dim=128,
+                                               linear_conv_kernel_dim=3, rms_norm_eps=1e-5, dtype="float16")
+    next_config.save_pretrained(tmp_path / "next")
+    assert listed(["--config", str(tmp_path / "next" / "config.json")]) == listed(
+        ["--heads", "2", "--v-heads", "4", "--head-k-dim", "64", "--head-v-dim", "128", "--layer", "qwen3_next",
+         "--conv-size", "3", "--norm-eps", "1e-5", "--dtype", "fp16"])
+    text = dict(hidden_size=256, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                linear_value_head_dim=64, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
+    transformers.Qwen3_5Config(text_config=text, dtype="float16").save_pretrained(tmp_path / "qwen3_5")
+    assert listed(["--config", str(tmp_path / "qwen3_5")]) == listed(
+        ["--heads", "2", "--v-heads", "4", "--head-dim", "64", "--layer", "qwen3_5", "--dtype", "fp16"])
+    assert listed(["--config", str(tmp_path / "qwen3_5"), "--dtype", "bf16"]) == listed(
+        ["--heads", "2", "--v-heads", "4", "--head-dim", "64", "--layer", "qwen3_5"])
+    for argv in (["--config", str(tmp_path / "next"), "--v-heads", "8"], ["--config", str(tmp_path / "none")],
+                 ["--config", str(tmp_path / "next"), "--heads", "2"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--sms", "132", "--list"])
+    (tmp_path / "llama.json").write_text('{"model_type": "llama", "hidden_size": 256}')
+    with pytest.raises(SystemExit):
+        main(["--config", str(tmp_path / "llama.json"), "--sms", "132", "--list"])
+    assert "not a Qwen3-Next / Qwen3.5 config" in capsys.readouterr().err
+
+
 def test_tune_layer_lists_its_variants_as_a_kernel_log(tmp_path):
     """tools/tune_layer.py --kernel-log: every step with every variant it times, readable by
     tools/precompile_cache.py --log (so a GPU call of the sweep compiles nothing); each step's
