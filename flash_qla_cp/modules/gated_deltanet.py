@@ -50,6 +50,7 @@ from .fused_mixer import MixerConfig, fused_mixer, fused_mixer_with_states
 from .hf_params import gdn_from_qwen3_next
 from .history_rows import HistoryRows
 from .norm import GatedRMSNorm
+from .offsets_read_back import OffsetsReadBack
 from .short_conv import ShortConvolution, last_kept_inputs
 
 
@@ -362,13 +363,15 @@ class GatedDeltaNet(nn.Module):
                                       cp_context=cp_context)
         return self.out_proj(GatedNorm.apply(o, z, self.norm.weight, config))
 
-    def _fused_mix(self, x, cu_seqlens, cu_host, conv_state, recurrent_state, backend, output_final_state=False,
+    def _fused_mix(self, x, cu_seqlens, offsets, conv_state, recurrent_state, backend, output_final_state=False,
                    conv_inputs=False):
         """_mix's results on the fused layer: the states only with output_final_state, the conv inputs
         (a gather of P's conv columns) only where asked for. A cache's conv state goes in as rows in
-        front of each sequence (`history_rows.py`)."""
+        front of each sequence (`history_rows.py`). offsets: cu_seqlens' read-back (`_check`), waited
+        for once the projection is launched."""
         P = self._projection_rows(x)
         B, T, _ = P.shape
+        cu_host = self._host_offsets(offsets, T)
         mixed = P[..., layout_columns(self.projection_layout, "conv", P.device)] if conv_inputs else None
         rows = None
         if conv_state is not None:
@@ -399,11 +402,12 @@ class GatedDeltaNet(nn.Module):
 
     def _check(self, x, attention_mask, cu_seqlens, conv_state, recurrent_state) -> tuple:
         """Validate the forward's inputs; return the number of sequences N, whether an
-        attention_mask keeps every token (False without one, or when compiling), and a CPU copy of
-        cu_seqlens (None without one, or when compiling): the layer's one read-back of it, which
-        the op then takes instead of reading cu_seqlens back again (each read waits for the GPU)."""
+        attention_mask keeps every token (False without one, or when compiling), and cu_seqlens'
+        read-back to the host (an `OffsetsReadBack`; None without cu_seqlens, or when compiling):
+        the layer's one read of the offsets, checked by `_host_offsets` where the call first needs
+        them, and then taken by the op instead of reading cu_seqlens back again."""
         keeps_all = False
-        cu_host = None
+        offsets = None
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             _fail(f"hidden_states must be a 3-D tensor [B, T, hidden_size={self.hidden_size}], got {got}")
@@ -438,10 +442,7 @@ class GatedDeltaNet(nn.Module):
                 _fail(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
             N = cu_seqlens.numel() - 1
             if not torch.compiler.is_compiling():  # (values: a host read, which a traced call cannot make)
-                cu_host = cu_seqlens.cpu()
-                edges = cu_host.tolist()
-                if edges[0] != 0 or edges[-1] != T or any(b < a for a, b in zip(edges, edges[1:])):
-                    _fail(f"cu_seqlens must rise from 0 to T={T}, got {edges}")
+                offsets = OffsetsReadBack(cu_seqlens)
         if conv_state is not None:
             W = self.conv_size - 1
             if conv_state.dim() != 3 or conv_state.shape[0] != N or conv_state.shape[1] != self.conv_dim \
@@ -455,7 +456,18 @@ class GatedDeltaNet(nn.Module):
             if state is not None and (not state.is_floating_point() or state.device != x.device):
                 _fail(f"{name} must be floating point on hidden_states' device {x.device}, "
                       f"got {state.dtype} on {state.device}")
-        return N, keeps_all, cu_host
+        return N, keeps_all, offsets
+
+    @staticmethod
+    def _host_offsets(offsets, T: int):
+        """The host copy of cu_seqlens once it has arrived (None without one), its values checked."""
+        if offsets is None:
+            return None
+        cu_host = offsets.result()
+        edges = cu_host.tolist()
+        if edges[0] != 0 or edges[-1] != T or any(b < a for a, b in zip(edges, edges[1:])):
+            _fail(f"cu_seqlens must rise from 0 to T={T}, got {edges}")
+        return cu_host
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -465,9 +477,9 @@ class GatedDeltaNet(nn.Module):
         the fused path returns the conv input only with conv_inputs (it is a gather from P there), and
         the states only with output_final_state."""
         num_seqs = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) else 0
-        cu_host = None
+        offsets = None
         if cp_context is None:
-            num_seqs, keeps_all, cu_host = self._check(hidden_states, attention_mask, cu_seqlens, conv_state,
+            num_seqs, keeps_all, offsets = self._check(hidden_states, attention_mask, cu_seqlens, conv_state,
                                                        recurrent_state)
             if keeps_all:  # a mask without padding changes nothing: the call can run fused
                 attention_mask = None
@@ -479,13 +491,15 @@ class GatedDeltaNet(nn.Module):
                       "cache and use_cache are not supported")
         B, T, _ = hidden_states.shape
         if T == 0:  # nothing to mix: an empty output, the states handed on unchanged
+            self._host_offsets(offsets, T)
             return self._empty_call(hidden_states, num_seqs, conv_state, recurrent_state, output_final_state)
         fused = self._fused_backend(hidden_states, attention_mask, conv_state, output_final_state, cp_context)
         if fused is not None and cp_context is not None:
             return self._fused_cp_mix(hidden_states, cu_seqlens, recurrent_state, cp_context, fused), None, None, None
         if fused is not None:
-            return self._fused_mix(hidden_states, cu_seqlens, cu_host, conv_state, recurrent_state, fused,
+            return self._fused_mix(hidden_states, cu_seqlens, offsets, conv_state, recurrent_state, fused,
                                    output_final_state, conv_inputs)
+        cu_host = self._host_offsets(offsets, T)
         keep = None
         if attention_mask is not None:
             # padded tokens: zero input (nothing leaks through the conv), g = beta = 0 (the state passes

@@ -112,6 +112,28 @@ def test_fused_layer_is_as_accurate_as_the_step_path_and_deterministic(proj_layo
     assert not worse, worse
 
 
+def test_packed_fused_forward_makes_no_blocking_read_back():
+    """A packed call of the fused layer reads cu_seqlens back without a blocking copy (into pinned
+    memory behind an event, waited for after the projection is launched: `offsets_read_back.py`),
+    and the op reads nothing back: under torch's sync debug mode ('error') a training forward and
+    an inference forward run (after a first call that compiles) without a synchronising call."""
+    m = _model("qwen3_next", torch.bfloat16)
+    cu = random_cu_seqlens(LENGTHS, device="cuda")
+    x = torch.randn(1, sum(LENGTHS), 512, device="cuda").bfloat16().requires_grad_(True)
+    m(x, cu_seqlens=cu).float().sum().backward()  # compiles, plans, warms the allocators
+    with torch.no_grad():
+        want = m(x, cu_seqlens=cu)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = m(x, cu_seqlens=cu)
+        with torch.no_grad():
+            again = m(x, cu_seqlens=cu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out.detach(), want) and torch.equal(again, want)
+
+
 def test_training_shaped_layer_split_inside_packed_sequences_within_limits():
     """The training recipe's layer (hidden 1024, 8 / 16 heads) on two packed sequences long enough
     for the intra-card split ('auto'): the fused bf16 layer against the float64 layer, output and
