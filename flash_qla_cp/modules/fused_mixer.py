@@ -43,6 +43,7 @@ from ..options import DEFAULT_OPTIONS, KernelOptions
 from ..reference import layer_steps as torch_steps
 from ..reference.layer_steps import ProjectionLayout, layout_columns, token_positions
 from ..validation import check_options
+from .shared_positions import shared_token_positions
 from .short_conv import last_inputs
 
 
@@ -134,7 +135,7 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
                             step_plans, training, backward_reruns)
     rows = P.view(B * T, width)
     if positions is None:
-        positions = token_positions(B, T, cu_seqlens, P.device)
+        positions = shared_token_positions(B, T, cu_seqlens, cu_seqlens_cpu, P.device)
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
                                                config.allow_neg_eigval)
     o, final, gdn = chunk_gated_delta_rule_fwd(

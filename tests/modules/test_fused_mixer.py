@@ -125,6 +125,43 @@ def test_token_positions():
     assert token_positions(1, 6, cu, "cpu").tolist() == [0, 1, 0, 0, 1, 2]
 
 
+def test_shared_token_positions_are_built_once_per_layout(monkeypatch):
+    """The fused layer's token positions: the same values as `token_positions`, built once per
+    layout (from the host offsets) and handed to later calls with that layout, the last
+    KEPT_LAYOUTS layouts kept; offsets only on the device: formed there each call."""
+    from flash_qla_cp.modules import shared_positions
+    from flash_qla_cp.modules.shared_positions import shared_token_positions
+
+    monkeypatch.setattr(shared_positions, "_kept", type(shared_positions._kept)())
+    cu = random_cu_seqlens([5, 0, 130, 1])
+    packed = shared_token_positions(1, 136, cu, cu.clone(), "cpu")
+    assert torch.equal(packed, token_positions(1, 136, cu, "cpu"))
+    assert shared_token_positions(1, 136, cu, cu.clone(), "cpu") is packed
+    dense = shared_token_positions(3, 7, None, None, "cpu")
+    assert torch.equal(dense, token_positions(3, 7, None, "cpu"))
+    assert shared_token_positions(1, 136, cu, None, "cpu") is not packed  # (no host copy: formed anew)
+    for T in range(1, shared_positions.KEPT_LAYOUTS + 1):  # pushes the packed layout out
+        shared_token_positions(1, T, None, None, "cpu")
+    assert len(shared_positions._kept) == shared_positions.KEPT_LAYOUTS
+    again = shared_token_positions(1, 136, cu, cu.clone(), "cpu")
+    assert again is not packed and torch.equal(again, packed)
+
+
+def test_fused_layer_forms_positions_once_for_repeated_calls(monkeypatch):
+    """Repeated fwd+bwd calls of the fused layer with one packing form its token positions once."""
+    from flash_qla_cp.modules import shared_positions
+
+    formed = []
+    monkeypatch.setattr(shared_positions, "_kept", type(shared_positions._kept)())
+    monkeypatch.setattr(shared_positions, "token_positions", lambda *a: formed.append(a) or token_positions(*a))
+    m = GatedDeltaNet(D, 2, 4, 8, 16, dtype=torch.float64)
+    cu = random_cu_seqlens([5, 0, 130, 1, 64])
+    x = torch.randn(1, 200, D, dtype=torch.float64, requires_grad=True)
+    for _ in range(3):
+        m(x, cu_seqlens=cu).sum().backward()
+    assert len(formed) == 1
+
+
 def test_fused_layer_keeps_no_op_inputs_between_forward_and_backward():
     """q, k, v, g, beta are recomputed in the backward: the saved tensors are P, o, the parameters,
     the initial state and the token positions."""
