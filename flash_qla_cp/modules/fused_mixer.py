@@ -43,6 +43,7 @@ from ..options import DEFAULT_OPTIONS, KernelOptions
 from ..reference import layer_steps as torch_steps
 from ..reference.layer_steps import ProjectionLayout, layout_columns, token_positions
 from ..validation import check_options
+from .offsets_read_back import OffsetsReadBack
 from .shared_positions import shared_token_positions
 from .short_conv import last_inputs
 
@@ -92,16 +93,18 @@ def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, training: boo
     return plans if training else (kernel_steps.ForwardSteps(plans),)
 
 
-def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cpu, output_final_state,
+def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, host_offsets, output_final_state,
                         config: MixerConfig, step_plans, training: bool, backward_reruns: bool):
     """A configuration's first call compiles every kernel of its fwd+bwd, the steps' and the op's,
     in one parallel round before the inputs step runs (else the inputs step's kernel compiles
     alone first, then the rest with the op: two rounds, the first ~8 s on an H100 machine).
     backward_reruns: the op's backward will run its forward again, keeping its chunk states (a
-    compiled call): that forward's kernels and its backward's are in the round too."""
+    compiled call): that forward's kernels and its backward's are in the round too. host_offsets():
+    the host copy of cu_seqlens or None (read only here, on a first call)."""
     lay = config.layout
     if runtime.compiled(kernel_steps.inputs_plan(P, lay, conv_weight, config.allow_neg_eigval).forward):
         return
+    cu_seqlens_cpu = host_offsets()
     B, T = P.shape[:2]
     shapes = ((B, T, lay.num_heads, lay.head_k_dim), (B, T, lay.num_v_heads, lay.head_v_dim), P.dtype, P.device,
               config.scale, initial_state is not None)
@@ -121,9 +124,17 @@ def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cp
 def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config: MixerConfig,
              cu_seqlens_cpu=None, output_final_state=False, positions=None, training=True, backward_reruns=False):
     """(y [B, T, HV * dv], o [B, T, HV, dv], the op's context without its inputs, token positions,
-    the op's final states [N, HV, dk, dv] or None). positions: the rows' token positions where the
-    caller has them, else formed from cu_seqlens. training: a backward follows (a first call then
-    compiles the backward's kernels too). backward_reruns: see `_compile_first_call`."""
+    the op's final states [N, HV, dk, dv] or None). cu_seqlens_cpu: the host copy of cu_seqlens, or
+    an `OffsetsReadBack` still on its way (waited for once the inputs step is launched, so that the
+    GPU has that work while the host waits and plans the op), or None. positions: the rows' token
+    positions where the caller has them, else formed from cu_seqlens. training: a backward follows
+    (a first call then compiles the backward's kernels too). backward_reruns: see
+    `_compile_first_call`."""
+    pending = cu_seqlens_cpu if isinstance(cu_seqlens_cpu, OffsetsReadBack) else None
+
+    def host_offsets():
+        return pending.result() if pending is not None else cu_seqlens_cpu
+
     B, T, width = P.shape
     lay = config.layout
     steps = _steps(config, conv_weight.shape[-1])
@@ -131,18 +142,20 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     step_plans = (partial(_kernel_step_plans, config, conv_weight.shape[-1], P.dtype, training, reruns=backward_reruns)
                   if steps is kernel_steps else ())
     if steps is kernel_steps:
-        _compile_first_call(P, conv_weight, initial_state, cu_seqlens, cu_seqlens_cpu, output_final_state, config,
+        _compile_first_call(P, conv_weight, initial_state, cu_seqlens, host_offsets, output_final_state, config,
                             step_plans, training, backward_reruns)
     rows = P.view(B * T, width)
-    if positions is None:
-        positions = shared_token_positions(B, T, cu_seqlens, cu_seqlens_cpu, P.device)
+    if positions is None:  # (offsets not on the host yet: positions formed on the device)
+        arrived = pending is None or pending.arrived()
+        positions = shared_token_positions(B, T, cu_seqlens, host_offsets() if arrived else None, P.device)
     q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
                                                config.allow_neg_eigval)
+    cu_host = host_offsets()
     o, final, gdn = chunk_gated_delta_rule_fwd(
         q.view(B, T, lay.num_heads, -1), k.view(B, T, lay.num_heads, -1), v.view(B, T, lay.num_v_heads, -1),
         g.view(B, T, -1), beta.view(B, T, -1), scale=config.scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp,
-        save_states=config.save_states, kernel_options=config.kernel_options, cu_seqlens_cpu=cu_seqlens_cpu,
+        save_states=config.save_states, kernel_options=config.kernel_options, cu_seqlens_cpu=cu_host,
         compile_with=() if backward_reruns else step_plans, v_head_parts=True,
         backward_follows=training and not backward_reruns)
     y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
@@ -222,9 +235,10 @@ def mixer_fwd(P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, d
     keep = training and save_states
     config = _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, keep, P)
     # (training without kept states: the backward runs the op's forward again, whose kernels compile
-    # now too; the offsets read back once here, as the op would, so that the first call knows its plans)
+    # now too. The offsets are read back once here, as the op would, without waiting for the graph's
+    # projection to finish first: `_forward` waits for them after launching the inputs step)
     y, o, gdn, positions, _ = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
-                                       None if cu_seqlens is None else cu_seqlens.cpu(), training=training,
+                                       None if cu_seqlens is None else OffsetsReadBack(cu_seqlens), training=training,
                                        backward_reruns=training and not keep)
     # (on the torch backend the op keeps nothing: its backward recomputes from the inputs)
     return y, o, kept_states.file((gdn, positions)) if keep and gdn.kernel_saved is not None else kept_states.nothing()

@@ -26,6 +26,10 @@ class OffsetsReadBack:
         else:
             self._host = cu_seqlens.cpu()
 
+    def arrived(self) -> bool:
+        """Whether `result()` would return without waiting."""
+        return self._event is None or self._event.query()
+
     def result(self) -> torch.Tensor:
         if self._event is not None:
             self._event.synchronize()
