@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import math
 import os
 import random
@@ -368,6 +369,9 @@ def main(argv=None) -> list[float]:
 
 
 def _train(args, d: Dist) -> list[float]:
+    if d.rank == 0:  # the kernel build rounds of a first step (tens of seconds on a cold cache) in the log
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("flash_qla_cp").setLevel(logging.INFO)
     if d.device.type == "cpu":
         threads = args.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         torch.set_num_threads(threads)
