@@ -112,9 +112,10 @@ class _FakePrimFunc:
         return self.name
 
 
-def test_a_plan_compiles_all_its_kernels_at_once_longest_first_on_first_use(monkeypatch, tmp_path):
+def test_a_plan_compiles_all_its_kernels_at_once_longest_first_on_first_use(monkeypatch, tmp_path, caplog):
     """compile_plan: one parallel compile of every kernel the plan names, the longest scripts
-    handed to the pool first (each launcher still its own spec's), then nothing."""
+    handed to the pool first (each launcher still its own spec's), logged (how many, where, how
+    long), then nothing."""
     tilelang = pytest.importorskip("tilelang")
     from flash_qla_cp.kernels.backward import plan_backward
 
@@ -126,9 +127,12 @@ def test_a_plan_compiles_all_its_kernels_at_once_longest_first_on_first_use(monk
     monkeypatch.setattr(runtime, "_launchers", {})
     monkeypatch.setattr(runtime, "_ready_plans", set())
     plan = plan_backward(2, 4, 128, 128, "bfloat16", 0.1, True, True, 1, 132)
-    runtime.compile_plan(plan)
-    runtime.compile_plan(plan)
+    with caplog.at_level("INFO", logger="flash_qla_cp.kernels.runtime"):
+        runtime.compile_plan(plan)
+        runtime.compile_plan(plan)
     names = [spec.name for spec in plan.specs()]
+    assert [r.getMessage().split(" TileLang kernel(s) ")[0] for r in caplog.records] == [str(len(names))] * 2
+    assert str(tmp_path) in caplog.records[0].getMessage() and " ready in " in caplog.records[1].getMessage()
     assert len(batches) == 1 and sorted(batches[0]) == sorted(names) and len(names) >= 3
     assert [len(n) for n in batches[0]] == sorted((len(n) for n in names), reverse=True)
     assert all(runtime._launchers[spec].kernel.func.name == spec.name for spec in plan.specs())
