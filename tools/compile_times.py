@@ -3,7 +3,7 @@ shape of benchmarks/bench_layer.py, the seconds TileLang's lowering takes (its s
 named) and the seconds of the rest of the build (CUDA code generation, nvcc, the host wrapper),
 on this machine: no GPU needed, nvcc is.
 
-    python tools/compile_times.py [--shape qwen3_next_1x32k] [--passes 3] [--out DIR]
+    python tools/compile_times.py [--shape qwen3_next_1x32k] [--passes 3] [--out DIR] [--only bwd_fused]
     python tools/compile_times.py --first-call [--shape qwen3_next_1x32k] [--cache DIR]
 
 Kernels compile one after another into a fresh TileLang cache, so each time is one core's; the
@@ -100,6 +100,8 @@ def main():
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--passes", type=int, default=3, help="slowest lowering passes listed per kernel")
     ap.add_argument("--out", help="folder for compile_times.json")
+    ap.add_argument("--only", help="time only the kernels whose factory name contains this (e.g. bwd_fused: the "
+                                   "backward walk alone, to compare with its time inside --first-call's round)")
     ap.add_argument("--first-call", action="store_true", help="time the layer's first fwd+bwd (see above)")
     ap.add_argument("--cache", help="with --first-call: this TileLang cache directory (a warm start) instead of a "
                                     "fresh one")
@@ -124,6 +126,8 @@ def main():
         return
     rows = []
     for spec in layer_shape_specs([args.shape]):
+        if args.only and args.only not in spec.factory.__name__:
+            continue
         with PassClock() as clock:
             start = time.perf_counter()
             tilelang.compile(spec.build(), target="cuda", pass_configs=default_pass_configs())

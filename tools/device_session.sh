@@ -26,7 +26,8 @@
 #   long_seq   the long-sequence training ladder with activation checkpointing (SEQ_LENS, STEPS; CKPT=0 without)
 #   cold_start benchmarks/bench_cold_start.py (COLD_ARGS, e.g. --no-precompile)
 #   compile_times  tools/compile_times.py --first-call on SHAPE (a bench_layer shape), into an empty cache
-#              and then the carried one; PER_KERNEL=1 adds each kernel's lowering and build times
+#              and then the carried one; PER_KERNEL=1 adds each kernel's lowering and build times, one after
+#              another (PER_KERNEL=bwd_fused: only the kernels whose factory name contains that)
 #   grad_errors  tools/layer_grad_errors.py: the op's gradients inside the layer against float64 (SHAPE; SEEDS
 #              draws of the input, default 8: medians, and in how many the fused path is ahead)
 set -uo pipefail
@@ -97,8 +98,10 @@ for phase in "$@"; do
       # the same first call on the carried cache (a warm start)
       timeout 120 python tools/compile_times.py --first-call --shape "${SHAPE:-qwen3_next_1x32k}" --cache /tmp/tlcache \
         2>&1 | grep '^{' | cut -c1-600
+      # PER_KERNEL=1: each kernel alone, one after another (PER_KERNEL=bwd_fused: only those kernels)
       [ -n "${PER_KERNEL:-}" ] && timeout "${BENCH_TIMEOUT:-300}" python tools/compile_times.py \
-        --shape "${SHAPE:-qwen3_next_1x32k}" --out "$OUT/compile_times" 2>&1 | grep '^{' | cut -c1-300 ;;
+        --shape "${SHAPE:-qwen3_next_1x32k}" --out "$OUT/compile_times" \
+        $([ "${PER_KERNEL}" != 1 ] && echo --only "$PER_KERNEL") 2>&1 | grep '^{' | cut -c1-300 ;;
     grad_errors) timeout "${BENCH_TIMEOUT:-200}" python tools/layer_grad_errors.py --shape "${SHAPE:-recipe_1x32k}" \
                    --seeds "${SEEDS:-8}" 2>&1 | grep '^{' | cut -c1-700 ;;
     *) echo "unknown phase $phase" ;;
