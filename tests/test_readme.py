@@ -1,18 +1,20 @@
-"""Every python block in the README runs as written."""
+"""Every python block in the README and in docs/ runs as written."""
 
 import pathlib
 import re
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [(page.relative_to(ROOT).as_posix(), i, block) for page in PAGES
+          for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S))]
 
 
 def test_readme_has_examples():
-    assert BLOCKS
+    assert any(page == "README.md" for page, _, _ in BLOCKS)
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index):
-    exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {})
+@pytest.mark.parametrize("page,index,block", BLOCKS, ids=[f"{page}:{i}" for page, i, _ in BLOCKS])
+def test_example_runs(page, index, block):
+    exec(compile(block, f"{page} block {index}", "exec"), {})
