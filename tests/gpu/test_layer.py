@@ -131,7 +131,8 @@ def test_packed_fused_forward_makes_no_blocking_read_back():
             again = m(x, cu_seqlens=cu)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(out.detach(), want) and torch.equal(again, want)
+    # (the training forward runs the op's state-keeping kernel variant: equal up to rounding)
+    assert torch.equal(again, want) and rel_err(out.detach(), want) < 1e-3
 
 
 def test_training_shaped_layer_split_inside_packed_sequences_within_limits():
