@@ -11,7 +11,8 @@ per kernel there).
 (forward with final states, and fwd+bwd with and without kept states), found by running the host
 code on CPU tensors with every launch recorded instead of run (the plans decide, as on the GPU).
 --layer-shapes: the same for our GatedDeltaNet on those shapes of benchmarks/bench_layer.py.
---gpu-tests: the same for every case and option of tests/gpu/test_op.py.
+--gpu-tests: the same for every case and option of tests/gpu/test_op.py, test_cp.py's contexts
+and test_layer.py's layer configurations.
 --train-recipe: the same for the long-sequence training recipe (8 / 16 heads of 128, the
 fused layer's kernels and the op's fwd+bwd on the packed rows of examples/hybrid_lm's corpus)
 at these tokens per step.
@@ -106,7 +107,8 @@ def bench_shape_specs(names, sms=132):
 
 def gpu_test_specs(sms=132):
     """[KernelSpec] of tests/gpu/test_op.py (each case once, the quick cases with each option, the
-    second-backward cases) and of tests/gpu/test_cp.py's single-process contexts."""
+    second-backward cases), of tests/gpu/test_cp.py's single-process contexts and of
+    tests/gpu/test_layer.py's layer configurations (`layer_test_specs`)."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
     import test_cp
     import test_op
@@ -124,6 +126,57 @@ def gpu_test_specs(sms=132):
     with recording(sms) as found:
         for case, options in jobs:
             run_op(case, make_inputs(case), "cpu", "tilelang", **options)
+    return list(dict.fromkeys([*found, *layer_test_specs(sms)]))
+
+
+def layer_test_specs(sms=132):
+    """[KernelSpec] tests/gpu/test_layer.py's calls launch: the layer steps of its CONFIGS (with and
+    without a conv history), its fused model (both projection layouts: fwd+bwd, inference, a
+    prefill, a decoding step and a continued cache, with a backward too) and the training recipe's
+    layer on sequences long enough to split (recorded on CPU tensors, as the benchmarks' shapes)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    import test_layer
+
+    from flash_qla_cp import GatedDeltaNet
+    from flash_qla_cp.kernels import layer as kernel_steps
+    from flash_qla_cp.modules import GDNCache
+    from flash_qla_cp.reference.layer_steps import continued_positions, token_positions
+    from flash_qla_cp.testing import random_cu_seqlens
+
+    lengths = test_layer.LENGTHS
+    with recording(sms) as found, MatmulsSkipped():
+        for lay, dtype, neg in test_layer.CONFIGS:
+            for history in (False, True):
+                seqs = [2, *lengths[1:]] if history else lengths
+                NT, C = sum(seqs), 2 * lay.num_heads * lay.head_k_dim + lay.num_v_heads * lay.head_v_dim
+                P = torch.zeros(NT, lay.width, dtype=dtype)
+                conv, A_log, dt_bias = torch.zeros(C, 1, 4), torch.zeros(lay.num_v_heads), torch.zeros(lay.num_v_heads)
+                positions = token_positions(1, NT, random_cu_seqlens(seqs), "cpu")
+                hist = torch.zeros(3, C, dtype=dtype) if history else None
+                if history:
+                    positions = continued_positions(positions, seqs[0], 3)
+                fwd = kernel_steps.op_inputs_forward(P, lay, conv, A_log, dt_bias, positions, neg, history=hist)
+                o = torch.zeros(NT, lay.num_v_heads, lay.head_v_dim, dtype=dtype)
+                norm = torch.ones(lay.head_v_dim)
+                kernel_steps.gated_norm_forward(o, P, lay, norm, 1e-6)
+                _, dz, _ = kernel_steps.gated_norm_backward(o.view(NT, -1), o, P, lay, norm, 1e-6)
+                kernel_steps.op_inputs_backward(*map(torch.zeros_like, fwd), dz, P, lay, conv, A_log, dt_bias,
+                                                positions, neg, torch.empty_like(P), history=hist)
+        cu = random_cu_seqlens(lengths)
+        for proj_layout in ("qwen3_next", "qwen3_5"):
+            m = GatedDeltaNet(512, 2, 4, 128, 128, proj_layout=proj_layout).to(torch.bfloat16)
+            x = torch.zeros(1, sum(lengths), 512, dtype=torch.bfloat16, requires_grad=True)
+            m(x, cu_seqlens=cu).float().sum().backward()
+            with torch.no_grad():
+                m(x, cu_seqlens=cu)
+                _, cache = m(x, cu_seqlens=cu, use_cache=True)
+                m(torch.zeros(len(lengths), 1, 512, dtype=torch.bfloat16), cache=cache, use_cache=True)
+                m(x, cu_seqlens=cu, cache=cache, use_cache=True)
+            m(x, cu_seqlens=cu, cache=GDNCache(cache.conv_state, cache.recurrent_state)).float().sum().backward()
+        m = GatedDeltaNet(1024, 8, 16, 128, 128).to(torch.bfloat16)
+        for seqs in ([40000, 25536], [24576, 8192]):
+            x = torch.zeros(1, sum(seqs), 1024, dtype=torch.bfloat16, requires_grad=True)
+            m(x, cu_seqlens=random_cu_seqlens(seqs)).float().sum().backward()
     return list(found)
 
 
