@@ -124,10 +124,11 @@ def main():
         print(json.dumps({"shape": args.shape, "cores": os.cpu_count(), "first_fwd_bwd_s": seconds,
                           "rounds": [{"kernels": n, "s": s} for n, s in rounds]}))
         return
+    specs = [s for s in layer_shape_specs([args.shape]) if not args.only or args.only in s.factory.__name__]
+    if not specs:
+        ap.error(f"--only {args.only!r}: no kernel of {args.shape} has it in its factory's name")
     rows = []
-    for spec in layer_shape_specs([args.shape]):
-        if args.only and args.only not in spec.factory.__name__:
-            continue
+    for spec in specs:
         with PassClock() as clock:
             start = time.perf_counter()
             tilelang.compile(spec.build(), target="cuda", pass_configs=default_pass_configs())
