@@ -7,6 +7,7 @@ tests record launches instead of running them, and where a GPU run logs the kern
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import fcntl
 import json
@@ -15,6 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -160,8 +162,8 @@ def compile_kernel(spec: KernelSpec) -> DirectLaunch:
 
 
 def precompile(specs, num_workers: int = 8) -> int:
-    """Compile many specs in parallel (tilelang.par_compile) into the cache; returns how many
-    were compiled or loaded (those already in this process are skipped)."""
+    """Compile many specs in parallel (a pool of TileLang compiles) into the cache; returns how
+    many were compiled or loaded (those already in this process are skipped)."""
     todo = list(dict.fromkeys(s for s in specs if s not in _launchers))
     if not todo:
         return 0
@@ -174,23 +176,29 @@ def precompile(specs, num_workers: int = 8) -> int:
         # (a new configuration's first call waits here: tens of seconds when nothing is cached)
         log.info("%d TileLang kernel(s) to load from the disk cache %s or compile there", len(todo),
                  tilelang.env.TILELANG_CACHE_DIR)
-        funcs = [prim_func_store.prim_func(s) for s in todo]  # (saved ones read back: no builder runs)
-        if len(todo) == 1:
-            kernels = [tilelang.compile(funcs[0], target="cuda", pass_configs=default_pass_configs())]
-        else:
-            # longest scripts first (the fused backward walk's takes ~4x the others' to lower):
-            # the pool starts the slowest builds at once instead of after the quick ones
-            order = sorted(range(len(todo)), key=lambda i: -len(funcs[i].script()))
-            built = tilelang.par_compile([funcs[i] for i in order], target="cuda",
-                                         pass_configs=default_pass_configs(), num_workers=num_workers)
-            kernels = [None] * len(todo)
-            for i, kernel in zip(order, built):
-                kernels[i] = kernel
+        kernels = _compile_in_pool(todo, num_workers)
         for spec, kernel in zip(todo, kernels):
             _launchers[spec] = DirectLaunch(kernel)
             _log_kernel(spec)
         log.info("%d TileLang kernel(s) ready in %.1f s", len(todo), time.perf_counter() - start)
     return len(todo)
+
+
+def _compile_in_pool(specs, num_workers: int) -> list:
+    """The specs' compiled kernels. Each PrimFunc goes to the pool as soon as it is built (its
+    builder runs here, in Python: ~2 s for a layer's 15 kernels when none is saved), the slow
+    lowering ones (`hopper.common.lowers_slowly`) built and started first: a cold start's round
+    lasts about as long as its slowest kernel's build, counted from when that kernel started."""
+    tilelang, _ = import_tilelang()
+    order = sorted(range(len(specs)), key=lambda i: not getattr(specs[i].factory, "lowers_slowly", False))
+    compile_one = partial(tilelang.compile, target="cuda", pass_configs=default_pass_configs())
+    kernels = [None] * len(specs)
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(num_workers, len(specs))), "flash-qla-cp-compile") as pool:
+        # (TileLang's lowering releases the GIL and nvcc is a subprocess: threads run in parallel)
+        futures = {pool.submit(compile_one, prim_func_store.prim_func(specs[i])): i for i in order}
+        for future, i in futures.items():
+            kernels[i] = future.result()
+    return kernels
 
 
 def compiled(spec: KernelSpec) -> bool:

@@ -103,39 +103,58 @@ class _FakeKernel:
 
 
 class _FakePrimFunc:
-    """A stand-in for a kernel's PrimFunc: its script's length is the spec's name's."""
+    """A stand-in for a kernel's PrimFunc (named by its spec)."""
 
     def __init__(self, name):
         self.name = name
 
-    def script(self):
-        return self.name
 
+def test_a_plan_compiles_all_its_kernels_at_once_slow_lowering_first_on_first_use(monkeypatch, tmp_path, caplog):
+    """compile_plan: one parallel compile of every kernel the forward plan and its backward
+    companion name, logged (how many, where, how long), then nothing. The fused backward walk
+    (`lowers_slowly`) is built and handed to the pool first, though its plan comes second, and
+    compiles while the other PrimFuncs are still being built (their builders wait here until it
+    has started: without the pipelining they would time out)."""
+    import threading
 
-def test_a_plan_compiles_all_its_kernels_at_once_longest_first_on_first_use(monkeypatch, tmp_path, caplog):
-    """compile_plan: one parallel compile of every kernel the plan names, the longest scripts
-    handed to the pool first (each launcher still its own spec's), logged (how many, where, how
-    long), then nothing."""
     tilelang = pytest.importorskip("tilelang")
     from flash_qla_cp.kernels.backward import plan_backward
+    from flash_qla_cp.kernels.forward import plan_forward
 
     monkeypatch.setattr(tilelang.env, "TILELANG_CACHE_DIR", str(tmp_path))
-    batches = []
-    monkeypatch.setattr(tilelang, "par_compile", lambda funcs, **kw: batches.append([f.name for f in funcs]) or
-                        [_FakeKernel(f) for f in funcs])
-    monkeypatch.setattr(KernelSpec, "build", lambda self: _FakePrimFunc(self.name))  # no lowering needed here
+    walk_started = threading.Event()
+    events = []
+
+    def build(spec):
+        if spec.factory is not build_bwd_fused_ws_kernel:
+            events.append(("built before the walk started", spec.name, walk_started.wait(timeout=10)))
+        return _FakePrimFunc(spec.name)
+
+    def compile_stub(func, **kw):
+        events.append(("compile", func.name))
+        if func.name == build_bwd_fused_ws_kernel.__name__:
+            walk_started.set()
+        return _FakeKernel(func)
+
+    monkeypatch.setattr(tilelang, "compile", compile_stub)
+    monkeypatch.setattr(KernelSpec, "build", build)  # no lowering needed here
     monkeypatch.setattr(runtime, "_launchers", {})
     monkeypatch.setattr(runtime, "_ready_plans", set())
-    plan = plan_backward(2, 4, 128, 128, "bfloat16", 0.1, True, True, 1, 132)
+    forward = plan_forward(16, 32, 128, 128, "bfloat16", 0.1, False, False, False, False, 8, 132, save_states=True)
+    backward = plan_backward(16, 32, 128, 128, "bfloat16", 0.1, False, False, 8, 132, states_saved=True)
+    specs = [*forward.specs(), *backward.specs()]
+    assert build_bwd_fused_ws_kernel.__name__ in [s.name for s in backward.specs()]
     with caplog.at_level("INFO", logger="flash_qla_cp.kernels.runtime"):
-        runtime.compile_plan(plan)
-        runtime.compile_plan(plan)
-    names = [spec.name for spec in plan.specs()]
+        runtime.compile_plan(forward, backward)
+        runtime.compile_plan(forward, backward)
+    names = [spec.name for spec in dict.fromkeys(specs)]
     assert [r.getMessage().split(" TileLang kernel(s) ")[0] for r in caplog.records] == [str(len(names))] * 2
     assert str(tmp_path) in caplog.records[0].getMessage() and " ready in " in caplog.records[1].getMessage()
-    assert len(batches) == 1 and sorted(batches[0]) == sorted(names) and len(names) >= 3
-    assert [len(n) for n in batches[0]] == sorted((len(n) for n in names), reverse=True)
-    assert all(runtime._launchers[spec].kernel.func.name == spec.name for spec in plan.specs())
+    compiled = [e[1] for e in events if e[0] == "compile"]
+    assert sorted(compiled) == sorted(names) and len(names) >= 4
+    assert compiled[0] == build_bwd_fused_ws_kernel.__name__
+    assert all(e[2] for e in events if e[0] != "compile")
+    assert all(runtime._launchers[spec].kernel.func.name == spec.name for spec in specs)
     assert (tmp_path / "flash_qla_cp.lock").exists()
 
 

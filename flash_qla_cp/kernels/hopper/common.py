@@ -49,6 +49,14 @@ def import_tilelang():
     return tilelang, T
 
 
+def lowers_slowly(builder):
+    """Marks a kernel builder whose PrimFunc takes several times longer than the others' to lower
+    (the fused backward walk: ~17 of a cold start's ~24 s compile round): a parallel compile
+    builds and starts it before building the others (`kernels.runtime.precompile`)."""
+    builder.lowers_slowly = True
+    return builder
+
+
 def default_pass_configs() -> dict:
     tilelang, _ = import_tilelang()
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
