@@ -84,8 +84,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                 qn, kn, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first=state_v_first,
                 intra_cp=intra_cp, cu_seqlens_host=cu_seqlens_cpu, save_states=save_states, options=options,
                 backward_plan=_training_backward_plan(q.shape, v.shape, q.dtype, q.device, scale, initial_state is not None,
-                                                      options, ctx.v_head_parts)
-                if (save_states or backward_follows) and not output_final_state else None, compile_with=compile_with,
+                                                      options, ctx.v_head_parts, save_states or backward_follows,
+                                                      output_final_state), compile_with=compile_with,
             )
         else:
             o, final_state = chunk_gated_delta_rule_torch(
@@ -95,12 +95,13 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
 
 
 def _training_backward_plan(q_shape, v_shape, dtype, device, scale, use_initial_state: bool, options: KernelOptions,
-                            v_head_parts: bool):
+                            v_head_parts: bool, backward_follows: bool, output_final_state: bool):
     """The plan the TileLang backward will choose after a training forward that returns no final
     state (so no final-state gradient), as a function of what the forward decides (its walks,
     split sequences, whether it keeps its chunk states): `tilelang_forward` compiles it with its
-    own on first use."""
-    if not options.tilelang_backward:
+    own on first use. None where no such backward follows (backward_follows: the forward keeps
+    its states or a backward is known to follow) or the forward returns a final state."""
+    if not options.tilelang_backward or not backward_follows or output_final_state:
         return None
     H, K, HV, V = q_shape[2], q_shape[3], v_shape[2], v_shape[3]
 
@@ -126,9 +127,8 @@ def tilelang_forward_plans(q_shape, v_shape, dtype, device, scale, use_initial_s
     intra_cp = split_setting(intra_cp, K, V)
     if varlen and cu_seqlens_cpu is None and splits(intra_cp, Tn, N):
         return ()
-    backward = (_training_backward_plan(q_shape, v_shape, dtype, device, scale, use_initial_state, options,
-                                        v_head_parts)
-                if (save_states or backward_follows) and not output_final_state else None)
+    backward = _training_backward_plan(q_shape, v_shape, dtype, device, scale, use_initial_state, options, v_head_parts,
+                                       save_states or backward_follows, output_final_state)
     call = plan_call(B, Tn, H, HV, K, V, dtype, scale, varlen, N, cu_seqlens_cpu if varlen else None, intra_cp,
                      use_initial_state, output_final_state, False, save_states, options, runtime.sm_count(device),
                      backward, compile_with)
