@@ -72,13 +72,15 @@ def test_layer_benchmark_refuses_to_merge_rows_of_another_gpu(tmp_path):
 
 def test_cold_start_table_splits_the_first_call(tmp_path):
     """bench_cold_start on the CPU (torch backend: nothing to build) runs its fresh processes and
-    writes each case's first call with its kernel rounds (none here) and the rest."""
+    writes each case's CUDA start, first call with its kernel rounds (none here) and the rest."""
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_cold_start.py")
     subprocess.run([sys.executable, script, "--device", "cpu", "--tokens", "64", "--hidden", "32", "--heads", "2",
                     "--v-heads", "4", "--head-dim", "16", "--out", str(tmp_path)], check=True, capture_output=True)
     result = json.loads((tmp_path / "bench_cold_start.json").read_text())
     for case in ("cold", "warm"):
         assert result[case]["build_rounds"] == [] and result[case]["first_call_s"] > 0
+        assert result[case]["cuda_start_s"] >= 0
     table = (tmp_path / "bench_cold_start.md").read_text()
-    assert "| cache | first call s | of that, kernel rounds (kernels: s) | rest s | steady ms |" in table
-    assert f"| cold | {result['cold']['first_call_s']} | - | {result['cold']['first_call_s']} |" in table
+    assert "| cache | CUDA start s | first call s | of that, kernel rounds (kernels: s) | rest s | steady ms |" in table
+    cold = result["cold"]
+    assert f"| cold | {cold['cuda_start_s']} | {cold['first_call_s']} | - | {cold['first_call_s']} |" in table
