@@ -34,18 +34,6 @@ def child(args) -> dict:
     from flash_qla_cp import GatedDeltaNet
     from flash_qla_cp.kernels import runtime
 
-    rounds = []
-    build = runtime.precompile
-
-    def timed(specs, num_workers=8):  # (compile_plan and compile_kernel call it by module lookup)
-        start = time.perf_counter()
-        built = build(specs, num_workers)
-        if built:
-            rounds.append({"kernels": built, "s": round(time.perf_counter() - start, 2)})
-        return built
-
-    runtime.precompile = timed
-
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
@@ -68,9 +56,10 @@ def child(args) -> dict:
     (x.detach() @ w).float().square().mean().backward()
     sync()
     libraries = time.perf_counter() - start
-    start = time.perf_counter()
-    step()
-    first = time.perf_counter() - start
+    with runtime.recorded_rounds() as rounds:
+        start = time.perf_counter()
+        step()
+        first = time.perf_counter() - start
     times = []
     for _ in range(5):
         start = time.perf_counter()

@@ -63,8 +63,8 @@ class PassClock:
 
 def first_call(shape_name):
     """The first fwd+bwd of our GatedDeltaNet at a bench_layer shape with every kernel compiled
-    for real and no launch run (CPU tensors, matmuls skipped): (seconds, [(kernels, seconds)]
-    per round of compilation)."""
+    for real and no launch run (CPU tensors, matmuls skipped): (seconds, [{"kernels": n, "s":
+    seconds}] per round of compilation)."""
     import contextlib
     from unittest import mock
 
@@ -72,18 +72,10 @@ def first_call(shape_name):
 
     from flash_qla_cp.kernels import runtime
 
-    rounds = []
-    build = runtime.precompile
-
-    def timed(specs, num_workers=8):
-        start = time.perf_counter()
-        built = build(specs, num_workers)
-        if built:
-            rounds.append((built, round(time.perf_counter() - start, 1)))
-        return built
-
-    compiling = {"compile_kernel": runtime.compile_kernel, "compile_plan": runtime.compile_plan, "precompile": timed}
+    compiling = {"compile_kernel": runtime.compile_kernel, "compile_plan": runtime.compile_plan,
+                 "precompile": runtime.precompile}
     with contextlib.ExitStack() as stack:
+        rounds = stack.enter_context(runtime.recorded_rounds())
         stack.enter_context(recording(132))  # the TileLang backend chosen; the compiles are put back below
         for name, value in compiling.items():
             stack.enter_context(mock.patch.object(runtime, name, value))
@@ -122,7 +114,7 @@ def main():
     if args.first_call:
         seconds, rounds = first_call(args.shape)
         print(json.dumps({"shape": args.shape, "cores": os.cpu_count(), "first_fwd_bwd_s": seconds,
-                          "rounds": [{"kernels": n, "s": s} for n, s in rounds]}))
+                          "rounds": rounds}))
         return
     specs = [s for s in layer_shape_specs([args.shape]) if not args.only or args.only in s.factory.__name__]
     if not specs:

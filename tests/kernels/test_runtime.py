@@ -111,7 +111,7 @@ class _FakePrimFunc:
 
 def test_a_plan_compiles_all_its_kernels_at_once_slow_lowering_first_on_first_use(monkeypatch, tmp_path, caplog):
     """compile_plan: one parallel compile of every kernel the forward plan and its backward
-    companion name, logged (how many, where, how long), then nothing. The fused backward walk
+    companion name, logged (how many, where, how long) and recorded as one round, then nothing. The fused backward walk
     (`lowers_slowly`) is built and handed to the pool first, though its plan comes second, and
     compiles while the other PrimFuncs are still being built (their builders wait here until it
     has started: without the pipelining they would time out)."""
@@ -144,10 +144,11 @@ def test_a_plan_compiles_all_its_kernels_at_once_slow_lowering_first_on_first_us
     backward = plan_backward(16, 32, 128, 128, "bfloat16", 0.1, False, False, 8, 132, states_saved=True)
     specs = [*forward.specs(), *backward.specs()]
     assert build_bwd_fused_ws_kernel.__name__ in [s.name for s in backward.specs()]
-    with caplog.at_level("INFO", logger="flash_qla_cp.kernels.runtime"):
+    with caplog.at_level("INFO", logger="flash_qla_cp.kernels.runtime"), runtime.recorded_rounds() as rounds:
         runtime.compile_plan(forward, backward)
         runtime.compile_plan(forward, backward)
     names = [spec.name for spec in dict.fromkeys(specs)]
+    assert [r["kernels"] for r in rounds] == [len(names)] and rounds[0]["s"] >= 0  # (the second: nothing to build)
     assert [r.getMessage().split(" TileLang kernel(s) ")[0] for r in caplog.records] == [str(len(names))] * 2
     assert str(tmp_path) in caplog.records[0].getMessage() and " ready in " in caplog.records[1].getMessage()
     compiled = [e[1] for e in events if e[0] == "compile"]
