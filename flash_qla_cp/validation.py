@@ -115,8 +115,13 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> int:
     if batch != 1:
         _fail(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={batch}")
     edges = cu_seqlens.tolist()
+    check_cu_seqlens_values(edges, seq_len)
+    return len(edges) - 1
+
+
+def check_cu_seqlens_values(edges: list, seq_len: int) -> None:
+    """cu_seqlens' values (a host list) must run from 0 to T without falling."""
     if edges[0] != 0 or edges[-1] != seq_len:
         _fail(f"cu_seqlens must start at 0 and end at T={seq_len}, got {edges[0]} .. {edges[-1]}")
     if any(b < a for a, b in zip(edges, edges[1:])):
         _fail(f"cu_seqlens must be non-decreasing, got {edges}")
-    return len(edges) - 1

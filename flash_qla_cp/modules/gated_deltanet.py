@@ -44,7 +44,7 @@ from ..parallel.conv_halo import exchange_conv_halo
 from ..reference.chunked import compute_dtype
 from ..reference.layer_steps import ProjectionLayout, continued_positions, layout_columns, token_positions
 from ..reference.shapes import expand_qk_heads, l2norm
-from ..validation import is_intra_option
+from ..validation import check_cu_seqlens_values, is_intra_option
 from .fused_cp_steps import GatedNorm, LayerInputs
 from .fused_mixer import MixerConfig, fused_mixer, fused_mixer_with_states
 from .hf_params import gdn_from_qwen3_next
@@ -464,9 +464,7 @@ class GatedDeltaNet(nn.Module):
         if offsets is None:
             return None
         cu_host = offsets.result()
-        edges = cu_host.tolist()
-        if edges[0] != 0 or edges[-1] != T or any(b < a for a, b in zip(edges, edges[1:])):
-            _fail(f"cu_seqlens must rise from 0 to T={T}, got {edges}")
+        check_cu_seqlens_values(cu_host.tolist(), T)
         return cu_host
 
     # ---- forward -------------------------------------------------------------------------------
