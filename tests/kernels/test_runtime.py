@@ -159,6 +159,35 @@ def test_a_plan_compiles_all_its_kernels_at_once_slow_lowering_first_on_first_us
     assert (tmp_path / "flash_qla_cp.lock").exists()
 
 
+def test_a_failed_compile_in_a_round_raises_and_registers_nothing(monkeypatch, tmp_path):
+    """One kernel of a round failing to compile: the error reaches the caller once the pool has
+    drained, no launcher of the round is kept (a later call compiles them again), the lock is free."""
+    tilelang = pytest.importorskip("tilelang")
+    from flash_qla_cp.kernels.backward import plan_backward
+
+    monkeypatch.setattr(tilelang.env, "TILELANG_CACHE_DIR", str(tmp_path))
+    compiled = []
+
+    def compile_stub(func, **kw):
+        compiled.append(func.name)
+        if func.name == "build_bwd_dh_ws_kernel":
+            raise RuntimeError("nvcc failed")
+        return _FakeKernel(func)
+
+    monkeypatch.setattr(tilelang, "compile", compile_stub)
+    monkeypatch.setattr(KernelSpec, "build", lambda self: _FakePrimFunc(self.name))
+    monkeypatch.setattr(runtime, "_launchers", {})
+    monkeypatch.setattr(runtime, "_ready_plans", set())
+    plan = plan_backward(2, 4, 128, 128, "bfloat16", 0.1, True, True, 1, 132)
+    with pytest.raises(RuntimeError, match="nvcc failed"):
+        runtime.compile_plan(plan)
+    assert sorted(compiled) == sorted(spec.name for spec in plan.specs())  # (the others still ran)
+    assert runtime._launchers == {} and runtime._ready_plans == set()
+    monkeypatch.setattr(tilelang, "compile", lambda func, **kw: _FakeKernel(func))
+    runtime.compile_plan(plan)  # (a lock left held would hang here)
+    assert all(runtime.compiled(spec) for spec in plan.specs())
+
+
 def _compile_in_a_process(cache_dir, log, name):
     """A process that compiles one kernel (a stand-in that takes a second), noting when."""
     import time
