@@ -11,9 +11,10 @@ Three fresh processes share one new TileLang cache directory (TILELANG_CACHE_DIR
 Each child times, in wall seconds, a plain matmul's fwd+bwd (CUDA start: cuBLAS and autograd),
 then its first `GatedDeltaNet` fwd+bwd (the fused layer: its own kernels and the op's), of that
 the rounds of kernel building or loading (`runtime.precompile` calls, the first with TileLang's
-import; the rest is the host work, the kernels' first launches and the GPU time), and reports the steady-state ms of the next calls. Writes
-bench_cold_start.json / .md into --out (default $OUT, else benchmarks/results). `--device cpu`
-runs the plumbing on the torch backend (nothing to compile).
+import; the rest is the host work, the kernels' first launches and the GPU time), and reports
+the steady-state ms of the next calls. Writes bench_cold_start.json / .md into --out (default
+$OUT, else benchmarks/results). `--device cpu` runs the plumbing on the torch backend (nothing
+to compile).
 """
 
 import argparse

@@ -215,10 +215,10 @@ def _compile_in_pool(specs, num_workers: int) -> list:
     lowering ones (`hopper.common.lowers_slowly`) built and started first: a cold start's round
     lasts about as long as its slowest kernel's build, counted from when that kernel started."""
     tilelang, _ = import_tilelang()
-    order = sorted(range(len(specs)), key=lambda i: not getattr(specs[i].factory, "lowers_slowly", False))
     compile_one = partial(tilelang.compile, target="cuda", pass_configs=default_pass_configs())
     if len(specs) == 1:  # (in the calling thread, as a lone launch's compile always ran)
         return [compile_one(prim_func_store.prim_func(specs[0]))]
+    order = sorted(range(len(specs)), key=lambda i: not getattr(specs[i].factory, "lowers_slowly", False))
     kernels = [None] * len(specs)
     with concurrent.futures.ThreadPoolExecutor(max(1, min(num_workers, len(specs))), "flash-qla-cp-compile") as pool:
         # (TileLang's lowering releases the GIL and nvcc is a subprocess: threads run in parallel)
