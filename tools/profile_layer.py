@@ -7,6 +7,9 @@ Prints one JSON line per shape, library and pass: each CUDA kernel's time per ca
 --iters calls, divided by --iters), the kernel sum and the wall time per call, and writes
 profile_layer.json under --out. Shapes and layers are those of benchmarks/bench_layer.py.
 --compile profiles the calls under torch.compile instead (as bench_layer's compile rows run them).
+Where wall and kernel sum differ, each line also says where: the host ms per call (calls issued
+back to back), the runtime calls that wait for the GPU, and the GPU's idle time between the
+kernels of one call, with its largest gaps (microseconds, the kernels on either side).
 """
 
 import argparse
@@ -21,9 +24,27 @@ sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 sys.path.insert(0, HERE)
 
 from bench_layer import SHAPES, call, make_layer  # noqa: E402
-from profile_kernels import kernel_times  # noqa: E402
+from profile_kernels import WAITING_CALLS, host_ms, kernel_times  # noqa: E402
 
 from flash_qla_cp.testing import random_cu_seqlens  # noqa: E402
+
+
+def idle_gaps(fn, top=6, min_us=5.0):
+    """(GPU idle ms between the first and last kernel of one warm call of fn, its `top` largest
+    gaps as (us, kernel before, kernel after), runtime calls in the call that wait for the GPU)."""
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    waits = sorted({e.name for e in prof.events() if e.name in WAITING_CALLS})
+    gaps = [(b.time_range.start - a.time_range.end, a.name[:40], b.name[:40]) for a, b in zip(kernels, kernels[1:])]
+    gaps = [g for g in gaps if g[0] >= min_us]
+    largest = [(round(us, 1), before, after) for us, before, after in sorted(gaps, reverse=True)[:top]]
+    return round(sum(g[0] for g in gaps) / 1000, 4), largest, waits
 
 
 def main():
@@ -63,9 +84,12 @@ def main():
 
             for name, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
                 rows = kernel_times(fn, args.iters)
-                entry = {"shape": sname, "lib": lib, "mode": "compile" if args.compile else "eager", "pass": name, "total_ms": round(sum(r[1] for r in rows), 4),
+                idle, gaps, waits = idle_gaps(fn)
+                entry = {"shape": sname, "lib": lib, "mode": "compile" if args.compile else "eager", "pass": name,
+                         "total_ms": round(sum(r[1] for r in rows), 4),
                          "wall_ms": round(triton.testing.do_bench(fn, return_mode="median"), 4),
-                         "kernels": rows[: args.top]}
+                         "host_ms": round(host_ms(fn, args.iters), 4), "idle_ms": idle, "largest_gaps_us": gaps,
+                         "waiting_calls": waits, "kernels": rows[: args.top]}
                 result.append(entry)
                 print(json.dumps(entry), flush=True)
             del layer
