@@ -29,7 +29,7 @@ from profile_kernels import WAITING_CALLS, host_ms, kernel_times  # noqa: E402
 from flash_qla_cp.testing import random_cu_seqlens  # noqa: E402
 
 
-def idle_gaps(fn, top=6, min_us=5.0):
+def idle_gaps(fn, top=6):
     """(GPU idle ms between the first and last kernel of one warm call of fn, its `top` largest
     gaps as (us, kernel before, kernel after), runtime calls in the call that wait for the GPU)."""
     fn()
@@ -41,8 +41,8 @@ def idle_gaps(fn, top=6, min_us=5.0):
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
     waits = sorted({e.name for e in prof.events() if e.name in WAITING_CALLS})
-    gaps = [(b.time_range.start - a.time_range.end, a.name[:40], b.name[:40]) for a, b in zip(kernels, kernels[1:])]
-    gaps = [g for g in gaps if g[0] >= min_us]
+    gaps = [(max(0.0, b.time_range.start - a.time_range.end), a.name[:40], b.name[:40])
+            for a, b in zip(kernels, kernels[1:])]
     largest = [(round(us, 1), before, after) for us, before, after in sorted(gaps, reverse=True)[:top]]
     return round(sum(g[0] for g in gaps) / 1000, 4), largest, waits
 
