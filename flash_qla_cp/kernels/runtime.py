@@ -102,19 +102,21 @@ class DirectLaunch:
     output as an argument (no `out_idx`), so TileLang's adapter, which would allocate outputs,
     only re-packs the arguments on each call (H200: 10-19 us of host time per launch through
     the adapter, 6-13 direct). The entry function still checks each argument's shape, dtype and
-    device against the kernel's signature."""
+    device against the kernel's signature.
+
+    The module is loaded when the launcher is made, in the compile pool's thread: a kernel
+    compiled in this process needs its host code built and linked into a library first (~0.2-1 s
+    each, ~10 s for a layer's kernels on the H200 machine when done one by one at their first
+    launches). Loading needs no GPU."""
 
     __slots__ = ("kernel", "_entry")
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self._entry = None
+        self._entry = self._entry_function()
 
     def __call__(self, *args):
-        entry = self._entry
-        if entry is None:  # looked up on first launch: loading the module needs the GPU
-            entry = self._entry = self._entry_function()
-        entry(*args)
+        self._entry(*args)
 
     def _entry_function(self):
         get_executable = getattr(self.kernel.adapter, "_get_executable", None)  # TileLang's tvm-ffi adapter
@@ -122,7 +124,7 @@ class DirectLaunch:
             return self.kernel
         executable = get_executable()
         # a kernel compiled in this process gives a tvm Executable (its runnable module comes from
-        # jit()); one loaded from TileLang's disk cache gives the module itself
+        # jit(): the host library's build); one loaded from TileLang's disk cache gives the module itself
         module = executable.jit() if hasattr(executable, "jit") else executable
         return module.main
 
@@ -201,31 +203,36 @@ def _precompile(specs, num_workers: int) -> int:
         # (a new configuration's first call waits here: tens of seconds when nothing is cached)
         log.info("%d TileLang kernel(s) to load from the disk cache %s or compile there", len(todo),
                  tilelang.env.TILELANG_CACHE_DIR)
-        kernels = _compile_in_pool(todo, num_workers)
-        for spec, kernel in zip(todo, kernels):
-            _launchers[spec] = DirectLaunch(kernel)
+        launchers = _compile_in_pool(todo, num_workers)
+        for spec, launcher in zip(todo, launchers):
+            _launchers[spec] = launcher
             _log_kernel(spec)
         log.info("%d TileLang kernel(s) ready in %.1f s", len(todo), time.perf_counter() - start)
     return len(todo)
 
 
 def _compile_in_pool(specs, num_workers: int) -> list:
-    """The specs' compiled kernels. Each PrimFunc goes to the pool as soon as it is built (its
-    builder runs here, in Python: ~2 s for a layer's 15 kernels when none is saved), the slow
+    """The specs' launchers (compiled, their modules loaded). Each PrimFunc goes to the pool as
+    soon as it is built (its builder runs here, in Python: ~2 s for a layer's 15 kernels when
+    none is saved), the slow
     lowering ones (`hopper.common.lowers_slowly`) built and started first: a cold start's round
     lasts about as long as its slowest kernel's build, counted from when that kernel started."""
     tilelang, _ = import_tilelang()
-    compile_one = partial(tilelang.compile, target="cuda", pass_configs=default_pass_configs())
+    compile_tilelang = partial(tilelang.compile, target="cuda", pass_configs=default_pass_configs())
+
+    def compile_one(prim_func):
+        return DirectLaunch(compile_tilelang(prim_func))
+
     if len(specs) == 1:  # (in the calling thread, as a lone launch's compile always ran)
         return [compile_one(prim_func_store.prim_func(specs[0]))]
     order = sorted(range(len(specs)), key=lambda i: not getattr(specs[i].factory, "lowers_slowly", False))
-    kernels = [None] * len(specs)
+    launchers = [None] * len(specs)
     with concurrent.futures.ThreadPoolExecutor(max(1, min(num_workers, len(specs))), "flash-qla-cp-compile") as pool:
         # (TileLang's lowering releases the GIL and nvcc is a subprocess: threads run in parallel)
         futures = {pool.submit(compile_one, prim_func_store.prim_func(specs[i])): i for i in order}
         for future, i in futures.items():
-            kernels[i] = future.result()
-    return kernels
+            launchers[i] = future.result()
+    return launchers
 
 
 def compiled(spec: KernelSpec) -> bool:

@@ -49,19 +49,15 @@ def test_no_log_without_the_variable(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_launcher_calls_the_compiled_module_entry_once_looked_up():
+def test_launcher_calls_the_module_entry_it_loaded_when_compiled():
     """compile_kernel hands out one launcher per spec that passes the arguments straight to the
-    module's entry function (looked up on the first launch only)."""
+    module's entry function, looked up once, when the kernel was compiled."""
     pytest.importorskip("tilelang")
     entry_calls, lookups, compiled_specs = [], [], []
 
     class Module:
         def main(self, *args):
             entry_calls.append(args)
-
-    class Executable:  # what TileLang gives for a kernel compiled in this process
-        def jit(self):
-            return Module()
 
     class Adapter:
         def __init__(self, executable):
@@ -85,14 +81,48 @@ def test_launcher_calls_the_compiled_module_entry_once_looked_up():
     with mock.patch("tilelang.compile", compile_), mock.patch.dict(runtime._launchers, clear=True):
         launch = runtime.compile_kernel(KernelSpec.of(factory, n=3))
         assert runtime.compile_kernel(KernelSpec.of(factory, n=3)) is launch
-        assert lookups == [] and compiled_specs == [3]  # built once, nothing loaded before the first launch
+        assert lookups == [1] and compiled_specs == [3]  # built and loaded once
         launch("a", 1)
         launch("b", 2)
         assert runtime.compile_kernel(KernelSpec.of(factory, n=4)) is not launch
-        assert entry_calls == [("a", 1), ("b", 2)] and lookups == [1]
-    fresh = runtime.DirectLaunch(Kernel(Executable()))  # as compiled in this process
-    fresh("c")
-    assert entry_calls[-1] == ("c",)
+        assert entry_calls == [("a", 1), ("b", 2)] and lookups == [1, 1]
+
+
+def test_kernels_compiled_in_this_process_get_their_host_library_built_in_the_compile_pool(monkeypatch, tmp_path):
+    """A kernel compiled in this process (a tvm Executable) has its host library built by
+    jit() in the pool's threads, in parallel, not one by one at the first launches."""
+    import threading
+
+    tilelang = pytest.importorskip("tilelang")
+    monkeypatch.setattr(tilelang.env, "TILELANG_CACHE_DIR", str(tmp_path))
+    built_in, entry_calls = [], []
+
+    class Module:
+        def main(self, *args):
+            entry_calls.append(args)
+
+    class Executable:
+        def jit(self):
+            built_in.append(threading.current_thread().name)
+            return Module()
+
+    class Adapter:
+        def _get_executable(self):
+            return Executable()
+
+    class Kernel:
+        adapter = Adapter()
+
+    def factory(n):
+        return ("prim_func", n)
+
+    with mock.patch("tilelang.compile", lambda prim_func, **kw: Kernel()), \
+            mock.patch.dict(runtime._launchers, clear=True), \
+            mock.patch.object(runtime.prim_func_store, "prim_func", lambda spec: spec.build()):
+        runtime.precompile([KernelSpec.of(factory, n=n) for n in range(3)], num_workers=2)
+        assert len(built_in) == 3 and all(name.startswith("flash-qla-cp-compile") for name in built_in)
+        runtime.compile_kernel(KernelSpec.of(factory, n=1))("x")
+    assert entry_calls == [("x",)] and len(built_in) == 3
 
 
 class _FakeKernel:
