@@ -238,7 +238,7 @@ def mixer_fwd(P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, d
     # now too. The offsets are read back once here, as the op would, without waiting for the graph's
     # projection to finish first: `_forward` waits for them after launching the inputs step)
     y, o, gdn, positions, _ = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, config,
-                                       None if cu_seqlens is None else OffsetsReadBack(cu_seqlens), training=training,
+                                       None if cu_seqlens is None else OffsetsReadBack.of(cu_seqlens), training=training,
                                        backward_reruns=training and not keep)
     # (on the torch backend the op keeps nothing: its backward recomputes from the inputs)
     return y, o, kept_states.file((gdn, positions)) if keep and gdn.kernel_saved is not None else kept_states.nothing()

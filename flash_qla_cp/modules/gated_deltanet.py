@@ -442,7 +442,7 @@ class GatedDeltaNet(nn.Module):
                 _fail(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
             N = cu_seqlens.numel() - 1
             if not torch.compiler.is_compiling():  # (values: a host read, which a traced call cannot make)
-                offsets = OffsetsReadBack(cu_seqlens)
+                offsets = OffsetsReadBack.of(cu_seqlens)
         if conv_state is not None:
             W = self.conv_size - 1
             if conv_state.dim() != 3 or conv_state.shape[0] != N or conv_state.shape[1] != self.conv_dim \
