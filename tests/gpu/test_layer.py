@@ -116,7 +116,8 @@ def test_packed_fused_forward_makes_no_blocking_read_back():
     """A packed call of the fused layer reads cu_seqlens back without a blocking copy (into pinned
     memory behind an event, waited for after the projection is launched: `offsets_read_back.py`),
     and the op reads nothing back: under torch's sync debug mode ('error') a training forward and
-    an inference forward run (after a first call that compiles) without a synchronising call."""
+    an inference forward run (after a first call that compiles) without a synchronising call, each
+    given a new cu_seqlens tensor (the same tensor, unchanged, is not read back again)."""
     m = _model("qwen3_next", torch.bfloat16)
     cu = random_cu_seqlens(LENGTHS, device="cuda")
     x = torch.randn(1, sum(LENGTHS), 512, device="cuda").bfloat16().requires_grad_(True)
@@ -126,9 +127,9 @@ def test_packed_fused_forward_makes_no_blocking_read_back():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = m(x, cu_seqlens=cu)
+        out = m(x, cu_seqlens=cu.clone())
         with torch.no_grad():
-            again = m(x, cu_seqlens=cu)
+            again = m(x, cu_seqlens=cu.clone())
     finally:
         torch.cuda.set_sync_debug_mode("default")
     # (the training forward runs the op's state-keeping kernel variant: equal up to rounding)
