@@ -37,7 +37,7 @@ class OffsetsReadBack:
             # behind the copy: on the stream that runs it (the current one of cu_seqlens' device)
             self._event.record(torch.cuda.current_stream(cu_seqlens.device))
         else:
-            self._host = cu_seqlens.clone()  # (kept: not the caller's tensor, which may change)
+            self._host = cu_seqlens.cpu().clone()  # (kept: not the caller's tensor, which may change)
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor) -> "OffsetsReadBack":

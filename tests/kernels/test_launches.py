@@ -433,25 +433,36 @@ class HostReads(torch.Tensor):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "steps"])
-def test_layer_reads_cu_seqlens_back_once_per_forward(fused):
-    """The layer reads cu_seqlens back once (its check) and hands that copy to the op, whose
-    forward (split planning, chunk tables) and backward then read nothing back."""
+def test_layer_reads_cu_seqlens_back_once_per_tensor(fused):
+    """The layer reads a new cu_seqlens back once (its check) and hands that copy to the op, whose
+    forward (split planning, chunk tables) and backward then read nothing back; the same tensor,
+    unchanged, is not read back again (a model's layers share it), and is after a change."""
     from flash_qla_cp import GatedDeltaNet
 
     m = GatedDeltaNet(256, 2, 4, 128, 128).to(torch.bfloat16)
     if not fused:
         m._fused_backend = lambda *args: None
     x = torch.zeros(1, 300, 256, dtype=torch.bfloat16, requires_grad=True)
-    cu = torch.tensor([0, 1, 120, 300], dtype=torch.int32).as_subclass(HostReads)
+    offsets = torch.tensor([0, 1, 120, 300], dtype=torch.int32)
+    reads = []
     with tilelang_chosen("ops", "api", "modules.fused_mixer", "modules.gated_deltanet"):
-        def call():
+        def call(cu):
             HostReads.reads = 0
             m(x, cu_seqlens=cu).float().sum().backward()
+            reads.append(HostReads.reads)
 
-        _, launches, _ = run_recorded(call)
+        def calls():
+            call(offsets.clone().as_subclass(HostReads))
+            shared = offsets.clone().as_subclass(HostReads)
+            call(shared)
+            call(shared)
+            shared[1:2].fill_(2)
+            call(shared)
+
+        _, launches, _ = run_recorded(calls)
     assert any("layer_inputs" in n for n in launches.names()) is fused
     assert any("bwd" in n for n in launches.names())
-    assert HostReads.reads == 1
+    assert reads == [1, 1, 0, 1] * 2
 
 
 @pytest.mark.parametrize("intra_cp", ["off", "auto"])
