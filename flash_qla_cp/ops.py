@@ -53,7 +53,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_v_first=False, backend="auto",
                                intra_cp="off", cu_seqlens_cpu=None, save_states=False,
                                kernel_options: KernelOptions | None = None, compile_with=(), v_head_parts=False,
-                               backward_follows=False):
+                               backward_follows=False, output_norm=None):
     """Forward only (no autograd graph). Returns (o, final_state or None, ctx).
 
     intra_cp ('off', 'auto' or an int P) cuts long sequences into partitions inside the
@@ -64,8 +64,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     TileLang forward's first call compiles that backward's kernels with its own (one round).
     compile_with: kernel plans the TileLang forward compiles with its own on first use (the
     fused layer's steps: one round of compilation instead of two), or a function of the backward
-    plan that will follow (None where the forward does not know it) returning them.
+    plan that will follow (None where the forward does not know it) and the forward's
+    `kernels.forward.ForwardPlan` returning them.
     v_head_parts: see `GDNContext`.
+    output_norm: a `kernels.forward.OutputNorm` the TileLang forward may apply to o (inference:
+    no backward follows); `output_normed(ctx)` says whether o is its output.
     """
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     check_intra_cp(intra_cp)
@@ -86,12 +89,18 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                 backward_plan=_training_backward_plan(q.shape, v.shape, q.dtype, q.device, scale, initial_state is not None,
                                                       options, ctx.v_head_parts, save_states or backward_follows,
                                                       output_final_state), compile_with=compile_with,
+                output_norm=output_norm,
             )
         else:
             o, final_state = chunk_gated_delta_rule_torch(
                 qn, kn, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first=state_v_first
             )
     return o, final_state, ctx
+
+
+def output_normed(ctx: GDNContext) -> bool:
+    """Whether the forward's o is the gated norm's output (it applied `output_norm`)."""
+    return ctx.kernel_saved is not None and ctx.kernel_saved.output_normed
 
 
 def _training_backward_plan(q_shape, v_shape, dtype, device, scale, use_initial_state: bool, options: KernelOptions,
@@ -114,12 +123,13 @@ def _training_backward_plan(q_shape, v_shape, dtype, device, scale, use_initial_
 
 def tilelang_forward_plans(q_shape, v_shape, dtype, device, scale, use_initial_state: bool, output_final_state: bool,
                            num_seqs: int, cu_seqlens_cpu, intra_cp, save_states: bool, options: KernelOptions,
-                           v_head_parts: bool, compile_with=(), backward_follows: bool = False) -> tuple:
+                           v_head_parts: bool, compile_with=(), backward_follows: bool = False,
+                           gated_norm: tuple | None = None) -> tuple:
     """The kernel plans `chunk_gated_delta_rule_fwd` compiles on first use on the TileLang
     backend (its forward's, the backward's where one follows, `compile_with`'s) for a
     call of these shapes (state_v_first off; varlen: num_seqs sequences, B == 1), known before the
     call's inputs exist; () where they are not known without reading cu_seqlens back (a varlen
-    split without its host copy)."""
+    split without its host copy). gated_norm: the `OutputNorm.key` the call offers."""
     B, Tn, H, K = q_shape
     HV, V = v_shape[2], v_shape[3]
     varlen = num_seqs is not None
@@ -131,7 +141,7 @@ def tilelang_forward_plans(q_shape, v_shape, dtype, device, scale, use_initial_s
                                        save_states or backward_follows, output_final_state)
     call = plan_call(B, Tn, H, HV, K, V, dtype, scale, varlen, N, cu_seqlens_cpu if varlen else None, intra_cp,
                      use_initial_state, output_final_state, False, save_states, options, runtime.sm_count(device),
-                     backward, compile_with)
+                     backward, compile_with, gated_norm)
     return (call.kernels, *call.companions)
 
 

@@ -73,15 +73,27 @@ LAYOUTS = {"qwen3_next": ProjectionLayout.qwen3_next, "qwen3_5": ProjectionLayou
 
 
 def layer_specs(H: int, HV: int, K: int, V: int, dtype: str, layout: str, conv_size: int, allow_neg_eigval: bool,
-                norm_eps: float) -> list:
-    """The fused GatedDeltaNet layer's kernels (`kernels/layer.py`) for one projection layout."""
+                norm_eps: float, sms: int) -> list:
+    """The fused GatedDeltaNet layer's kernels (`kernels/layer.py`) for one projection layout, and
+    the op's inference walks that apply its gated norm (on a GPU of `sms` SMs)."""
     lay = LAYOUTS[layout](H, HV, K, V)
+    norm = (lay.width, lay.z_offset, lay.z_head_stride, float(norm_eps))
+    walks = {}
+    for count in WALK_COUNTS:
+        for varlen in (False, True):
+            for use_h0 in (False, True):
+                for final in (False, True):
+                    for seqs in (0, 1, max(1, count // 8)) if max(K, V) <= 128 and count >= 2 else (0,):
+                        plan = plan_forward(H, HV, K, V, dtype, K**-0.5, varlen, use_h0, final, False, count, sms,
+                                            seqs, gated_norm=norm)
+                        if plan.applies_norm:
+                            walks[plan.fused] = None
     # the inputs step's backward reads dq, dk summed, or as the op's per-v-head parts (GVA); after
     # an op that kept its chunk states it re-forms the op's inputs without v
     inputs = [*plan_layer_inputs(lay, conv_size, dtype, allow_neg_eigval, recompute_without_v=True).specs()]
     if HV > H:
         inputs.append(plan_layer_inputs(lay, conv_size, dtype, allow_neg_eigval, HV // H).backward)
-    return [*inputs, *plan_gated_norm(lay, dtype, norm_eps).specs()]
+    return [*inputs, *plan_gated_norm(lay, dtype, norm_eps).specs(), *walks]
 
 
 def config_settings(path: str) -> dict:
@@ -155,7 +167,7 @@ def main(argv=None) -> int:
         if not 2 <= args.conv_size <= 16:
             ap.error(f"--conv-size must be 2 to 16 (the layer kernels' window), got {args.conv_size}")
         specs += [s for d in args.dtype.split(",") for s in layer_specs(
-            H, HV, K, V, DTYPES[d], args.layer, args.conv_size, args.allow_neg_eigval, args.norm_eps)]
+            H, HV, K, V, DTYPES[d], args.layer, args.conv_size, args.allow_neg_eigval, args.norm_eps, sms)]
     if args.list:
         for spec in specs:
             print(spec.name, spec.kwargs)

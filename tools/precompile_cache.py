@@ -133,7 +133,8 @@ def layer_test_specs(sms=132):
     """[KernelSpec] tests/gpu/test_layer.py's calls launch: the layer steps of its CONFIGS (with and
     without a conv history), its fused model (both projection layouts: fwd+bwd, inference, a
     prefill, a decoding step and a continued cache, with a backward too) and the training recipe's
-    layer on sequences long enough to split (recorded on CPU tensors, as the benchmarks' shapes)."""
+    layer on sequences long enough to split, the inference walk that applies the gated norm
+    (recorded on CPU tensors, as the benchmarks' shapes)."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
     import test_layer
 
@@ -173,6 +174,13 @@ def layer_test_specs(sms=132):
                 m(torch.zeros(len(lengths), 1, 512, dtype=torch.bfloat16), cache=cache, use_cache=True)
                 m(x, cu_seqlens=cu, cache=cache, use_cache=True)
             m(x, cu_seqlens=cu, cache=GDNCache(cache.conv_state, cache.recurrent_state)).float().sum().backward()
+            # test_inference_walk_applies_the_gated_norm_within_limits: packed (split) and dense rows
+            for x, cu_rows in ((torch.zeros(1, 25410, 512, dtype=torch.bfloat16),
+                                random_cu_seqlens([9000, 1, 0, 12345, 63, 4001])),
+                               (torch.zeros(40, 333, 512, dtype=torch.bfloat16), None)):
+                with torch.no_grad():
+                    m(x, cu_seqlens=cu_rows)
+                m(x.requires_grad_(True), cu_seqlens=cu_rows).float().sum().backward()
         m = GatedDeltaNet(1024, 8, 16, 128, 128).to(torch.bfloat16)
         for seqs in ([40000, 25536], [24576, 8192]):
             x = torch.zeros(1, sum(seqs), 1024, dtype=torch.bfloat16, requires_grad=True)
@@ -222,6 +230,8 @@ def layer_shape_step(name, lib="ours"):
     def step():
         with MatmulsSkipped():
             call(layer, lib, x, cu).float().sum().backward()
+            with torch.no_grad():  # (the benchmark's forward: the inference kernels)
+                call(layer, lib, x, cu)
 
     return step
 

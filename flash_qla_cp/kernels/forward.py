@@ -41,6 +41,35 @@ class ForwardPlan:
         extra = [] if self.split is None else [self.split.decay_tables, self.split.summary, self.split.scan]
         return [self.prepare, *extra, self.fused]
 
+    @property
+    def applies_norm(self) -> bool:
+        """Whether the fused walk writes the gated norm's output in place of o."""
+        return "gated_norm" in self.fused.kwargs
+
+
+@dataclass(frozen=True)
+class OutputNorm:
+    """The layer's gated RMSNorm y = o * rsqrt(mean(o^2) + eps) * weight * silu(z), offered to the
+    forward so that its fused walk applies it to o before storing it (inference: no chunk states
+    kept; `hopper/fwd_fused_ws4.py`) and the layer skips the norm's own pass over o. rows: the
+    projection rows P [B, T, width] (z in their columns, `reference.layer_steps.ProjectionLayout`),
+    batched as q; weight [dv] fp32."""
+
+    rows: torch.Tensor
+    weight: torch.Tensor
+    z_offset: int
+    z_head_stride: int
+    eps: float
+
+    @property
+    def key(self) -> tuple | None:
+        """The walk's static norm parameters; None where TMA cannot read the rows (a row's bytes
+        not a multiple of 16)."""
+        width = self.rows.shape[-1]
+        if (width * self.rows.element_size()) % 16:
+            return None
+        return (width, self.z_offset, self.z_head_stride, float(self.eps))
+
 
 def fused_walk_kernel(walks: int, HV: int, K: int, V: int, sms: int, options: KernelOptions):
     """(factory, block_v) of the fused forward for `walks` (sequences or partitions) x HV walks.
@@ -78,12 +107,15 @@ def prepare_spec(H: int, HV: int, K: int, dtype: str, varlen: bool) -> KernelSpe
 @functools.lru_cache(maxsize=1024)
 def plan_forward(H: int, HV: int, K: int, V: int, dtype: str, scale: float, varlen: bool, use_initial_state: bool,
                  output_final_state: bool, state_v_first: bool, walks: int, sms: int, split_seqs: int = 0,
-                 save_states: bool = False, options: KernelOptions = DEFAULT_OPTIONS) -> ForwardPlan:
+                 save_states: bool = False, options: KernelOptions = DEFAULT_OPTIONS,
+                 gated_norm: tuple | None = None) -> ForwardPlan:
     """The kernels of a forward call (cached: every call of a training loop asks the same).
 
     walks: sequences, or partitions when split; split_seqs: the number of sequences when the call
     is split (0: not split). save_states: the fused walk also stores each chunk's entering state
     and v - exp(G) k S for the backward (the warp-specialised kernels, K <= 128; ignored else).
+    gated_norm: `OutputNorm.key` of a norm the walk may apply to o (only the four-warpgroup
+    walk with whole rows of o and no stored states does: `ForwardPlan.applies_norm`).
     """
     dtype = tl_dtype(dtype)
     prepare = prepare_spec(H, HV, K, dtype, varlen)
@@ -98,6 +130,8 @@ def plan_forward(H: int, HV: int, K: int, V: int, dtype: str, scale: float, varl
         # the walk runs over the partitions, packed, each entered with its scanned state
         varlen, use_initial_state, state_v_first = True, True, False
     extra = {"store_states": True} if save_states and factory is not build_fused_fwd_kernel else {}
+    if gated_norm is not None and factory is build_fused_fwd_ws4_kernel and block_v == V and not extra:
+        extra = {"gated_norm": tuple(gated_norm)}
     fused = KernelSpec.of(factory, H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), is_varlen=bool(varlen),
                           use_initial_state=bool(use_initial_state), store_final_state=bool(output_final_state),
                           state_v_first=bool(state_v_first), block_v=block_v, **extra)
@@ -156,6 +190,7 @@ class ForwardSaved:
     h_states: torch.Tensor | None = None
     vres: torch.Tensor | None = None
     spent: Spent = field(default_factory=Spent)
+    output_normed: bool = False  # o is the gated norm's output (`OutputNorm`)
 
     def states_kept(self) -> bool:
         """Whether the chunk states and v residuals are here for a backward to read."""
@@ -212,12 +247,13 @@ def splits(intra_cp, Tn: int, N: int) -> bool:
 
 def plan_call(B, Tn, H, HV, K, V, dtype, scale, varlen: bool, N: int, cu_host, intra_cp, use_initial_state: bool,
               output_final_state: bool, state_v_first: bool, save_states: bool, options: KernelOptions, sms: int,
-              backward_plan=None, compile_with=()) -> CallPlan:
+              backward_plan=None, compile_with=(), gated_norm: tuple | None = None) -> CallPlan:
     """The plans of a forward call from its shapes: `tilelang_forward` runs them, and a caller
     (the fused layer's first call) can compile them before it has the call's inputs.
 
     cu_host: the sequences' offsets on the host (list or CPU tensor), or None (dense; varlen
-    neither split nor given a host copy); intra_cp as `split_setting` leaves it."""
+    neither split nor given a host copy); intra_cp as `split_setting` leaves it; gated_norm as
+    `plan_forward` takes it."""
     if torch.is_tensor(cu_host):
         cu_host = cu_host.tolist()
     tables = plan = None
@@ -228,10 +264,11 @@ def plan_call(B, Tn, H, HV, K, V, dtype, scale, varlen: bool, N: int, cu_host, i
     if plan is not None and plan.is_trivial:
         plan = None
     kernels = plan_forward(H, HV, K, V, dtype, float(scale), varlen, use_initial_state, output_final_state,
-                           state_v_first, plan.num_parts if plan else N, sms, N if plan else 0, save_states, options)
+                           state_v_first, plan.num_parts if plan else N, sms, N if plan else 0, save_states, options,
+                           gated_norm)
     store_states = kernels.fused.kwargs.get("store_states", False)
     following = backward_plan(plan.num_parts if plan else N, N if plan else 0, store_states) if backward_plan else None
-    companions = tuple(compile_with(following) if callable(compile_with) else compile_with)
+    companions = tuple(compile_with(following, kernels) if callable(compile_with) else compile_with)
     if following is not None:
         companions += (following,)
     return CallPlan(tables, plan, kernels, companions)
@@ -239,7 +276,8 @@ def plan_call(B, Tn, H, HV, K, V, dtype, scale, varlen: bool, N: int, cu_host, i
 
 def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
                      state_v_first=False, intra_cp="off", cu_seqlens_host=None, save_states=False,
-                     options: KernelOptions = DEFAULT_OPTIONS, backward_plan=None, compile_with=()):
+                     options: KernelOptions = DEFAULT_OPTIONS, backward_plan=None, compile_with=(),
+                     output_norm: OutputNorm | None = None):
     """Chunked GDN forward on Hopper. q, k [B, T, H, K] bf16 / fp16; v [B, T, HV, V] of the same
     dtype; g, beta [B, T, HV]; states fp32 [N, HV, K, V] ([N, HV, V, K] with state_v_first);
     cu_seqlens [N + 1] int32 with B == 1 for packed input. intra_cp: 'off', 'auto' or an int P
@@ -247,7 +285,9 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
     from the GPU when splitting. backward_plan(walks, split_seqs, states_saved), when given,
     names the backward plan that will follow: on first use its kernels compile together with the
     forward's, and so do those of the plans in `compile_with` (e.g. the fused layer's steps; or a
-    function of that backward plan, None when not named, returning them).
+    function of that backward plan, None when not named, and the forward's `ForwardPlan`
+    returning them). output_norm: a gated
+    norm the fused walk may apply (see `OutputNorm`; `ForwardSaved.output_normed` tells).
     Returns (o [B, T, HV, V], final state fp32 or None, ForwardSaved)."""
     B, Tn, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -264,7 +304,8 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
         # tables come from the host too, which keeps the call free of syncs, capturable in a CUDA graph)
         cu_host = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.cpu()
     call = plan_call(B, Tn, H, HV, K, V, q.dtype, scale, varlen, N, cu_host, intra_cp, initial_state is not None,
-                     output_final_state, state_v_first, save_states, options, sms, backward_plan, compile_with)
+                     output_final_state, state_v_first, save_states, options, sms, backward_plan, compile_with,
+                     None if output_norm is None else output_norm.key)
     runtime.compile_plan(call.kernels, *call.companions)  # first use: every kernel of the call at once, in parallel
     kernels, plan = call.kernels, call.split
     store_states = kernels.fused.kwargs.get("store_states", False)
@@ -274,10 +315,13 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
         seq_tab, seq_offsets, seq_order = tabs["seq_chunk_table"], tabs["seq_chunk_offsets"], tabs["seq_order"]
     use_h0 = initial_state is not None
     g_cum, ag, chunk_tab = run_prepare(kernels.prepare, k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
-    saved = ForwardSaved(g_cum, ag, chunk_tab, seq_offsets)
+    saved = ForwardSaved(g_cum, ag, chunk_tab, seq_offsets, output_normed=kernels.applies_norm)
+    norm_args = ()
+    if kernels.applies_norm:
+        norm_args = (kernel_operand(output_norm.rows), kernel_operand(output_norm.weight.float()))
     if plan is not None:
         o, final = _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_v_first, plan,
-                                  kernels, saved, store_states)
+                                  kernels, saved, store_states, norm_args)
         return o, final, saved
 
     sdims = (V, K) if state_v_first else (K, V)
@@ -298,9 +342,9 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
                 states += (saved.chunk_offsets,)
         if varlen:
             saved.walk_order = seq_order if seq_order is not None else walk_order(cu)
-            kern(q, k, v, ag, g_cum, cu, saved.walk_order, h0, o, ht, *states)
+            kern(q, k, v, ag, g_cum, cu, saved.walk_order, h0, o, ht, *states, *norm_args)
         else:
-            kern(q, k, v, ag, g_cum, h0, o, ht, *states)
+            kern(q, k, v, ag, g_cum, h0, o, ht, *states, *norm_args)
     elif output_final_state:
         ht.copy_(h0 if use_h0 else torch.zeros_like(ht))
     return o, (ht if output_final_state else None), saved
@@ -316,10 +360,11 @@ def _state_outputs(saved: ForwardSaved, n_chunks, v, K):
 
 
 def _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_v_first, plan, kernels: ForwardPlan,
-                   saved: ForwardSaved, store_states: bool):
+                   saved: ForwardSaved, store_states: bool, norm_args=()):
     """The forward with sequences cut into partitions, after the prepare kernel: (h, M) per
     partition, the scan for each partition's entering state, then the fused walk over the
-    partitions. Returns (o, final state or None) and fills saved.split."""
+    partitions. Returns (o, final state or None) and fills saved.split. norm_args: the walk's
+    gated-norm arguments (rows, weight), batched as q."""
     B, Tn, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
@@ -337,7 +382,10 @@ def _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_
     states = ()
     if store_states:
         states = (*_state_outputs(saved, int(idx["part_chunk_table"].shape[0]), vf, K), idx["part_chunk_offsets"])
-    runtime.compile_kernel(kernels.fused)(qf, kf, vf, agf, gf, idx["part_cu"], idx["part_order"], s_in, o, ht, *states)
+    if norm_args and B > 1:  # (packed like the others)
+        norm_args = (norm_args[0].reshape(1, B * Tn, -1), norm_args[1])
+    runtime.compile_kernel(kernels.fused)(qf, kf, vf, agf, gf, idx["part_cu"], idx["part_order"], s_in, o, ht, *states,
+                                          *norm_args)
     # each sequence's last partition, gathered into a tensor of its own: a slice would keep every
     # partition's state alive for as long as the caller keeps the final states (a prefill's cache)
     final = state_kv_layout(ht.index_select(0, idx["last_parts"]), state_v_first) if output_final_state else None

@@ -79,6 +79,14 @@ def _forward_plans():
                                                               32, SMS, 0, True)
             yield f"{tag}_split", plan_forward(H, HV, K, V, dtype, K**-0.5, True, False, True, False, 8, SMS, 1, True)
             yield f"{tag}_split_h0", plan_forward(H, HV, K, V, dtype, K**-0.5, True, True, True, False, 64, SMS, 2)
+    # inference with the layer's gated norm in the walk, dense and split (whole 128-wide rows only)
+    H, HV, K, V, dtype = _HEADS["k128"]
+    lay = ProjectionLayout.qwen3_next(H, HV, K, V)
+    norm = (lay.width, lay.z_offset, lay.z_head_stride, 1e-6)
+    yield "k128_1000walks_normed", plan_forward(H, HV, K, V, dtype, K**-0.5, False, False, False, False, 1000, SMS,
+                                                gated_norm=norm)
+    yield "k128_split_normed", plan_forward(H, HV, K, V, dtype, K**-0.5, True, False, True, False, 64, SMS, 2,
+                                            gated_norm=norm)
 
 
 def _backward_plans():
@@ -129,7 +137,7 @@ def _case(tag: str, spec: KernelSpec) -> LoweringCase:
     entry = _ENTRIES[spec.name]
     if spec.name == "build_prepare_kernel" or "fused_fwd" in spec.name:
         entry += "_varlen" if p["is_varlen"] else ""
-    entry += "_states" if p.get("store_states") else ""
+    entry += "_states" if p.get("store_states") else "_normed" if p.get("gated_norm") else ""
     entry += "_limited" if p.get("limit_chunks") else ""
     if spec.name in _ELEMENTWISE:
         expect = ()
@@ -143,9 +151,12 @@ def _case(tag: str, spec: KernelSpec) -> LoweringCase:
         expect += ("tma_load", "warpgroup_reg_alloc")
     if p.get("store_states") or spec.name == "build_fused_fwd_ws4_kernel":
         expect += ("tma_store",)
+    if p.get("gated_norm"):
+        expect += ("wgmma_rs", "AllReduce")  # P from registers; the norm's row sums
     name = spec.name.removeprefix("build_").removesuffix("_kernel")
     name += "_limited" if p.get("limit_chunks") else "_reverse" if p.get("reverse") else ""
     name += "_without_v" if p.get("with_v") is False else ""
+    name += "_normed" if p.get("gated_norm") else ""
     return LoweringCase(f"{name}[{tag}]", spec, entry, expect)
 
 

@@ -37,8 +37,9 @@ from .. import kept_states
 from ..backends import choose_backend
 from ..kernels import layer as kernel_steps
 from ..kernels import runtime
+from ..kernels.forward import OutputNorm
 from ..ops import (GDNContext, backward_reads_v, backward_will_run, chunk_gated_delta_rule_bwd,
-                   chunk_gated_delta_rule_fwd, put_tensors, take_tensors, tilelang_forward_plans)
+                   chunk_gated_delta_rule_fwd, output_normed, put_tensors, take_tensors, tilelang_forward_plans)
 from ..options import DEFAULT_OPTIONS, KernelOptions
 from ..reference import layer_steps as torch_steps
 from ..reference.layer_steps import ProjectionLayout, layout_columns, token_positions
@@ -76,11 +77,12 @@ def _steps(config: MixerConfig, conv_size: int = 0):
     return kernel_steps if config.backend == "tilelang" and kernels_reach else torch_steps
 
 
-def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, training: bool, backward_plan,
+def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, training: bool, backward_plan, forward_plan=None,
                        reruns: bool = False) -> tuple:
     """The layer steps' kernel plans for the op's backward plan (None where the forward does not
-    know it); their forward kernels alone where no backward follows (not training). reruns: the
-    op's backward runs its forward again (a compiled call), which needs v re-formed."""
+    know it); their forward kernels alone where no backward follows (not training), without the
+    gated norm's where the op's forward walk (`forward_plan`) applies it. reruns: the op's
+    backward runs its forward again (a compiled call), which needs v re-formed."""
     lay = config.layout
     # the inputs step's backward reads dq, dk as the op's backward leaves them: per-v-head parts
     # where its kernels write them so (GVA, the fused walk: assumed where the plan is not known)
@@ -90,17 +92,21 @@ def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, training: boo
     states_kept = backward_plan is not None and backward_plan.h_walk is None and not reruns
     plans = kernel_steps.layer_plans(lay, conv_size, dtype, config.allow_neg_eigval, config.norm_eps, parts,
                                      states_kept)
-    return plans if training else (kernel_steps.ForwardSteps(plans),)
+    if training:
+        return plans
+    norm_in_walk = forward_plan is not None and forward_plan.applies_norm
+    return (kernel_steps.ForwardSteps(plans[:1] if norm_in_walk else plans),)  # (inputs step, gated norm)
 
 
 def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, host_offsets, output_final_state,
-                        config: MixerConfig, step_plans, training: bool, backward_reruns: bool):
+                        config: MixerConfig, step_plans, training: bool, backward_reruns: bool, norm_key=None):
     """A configuration's first call compiles every kernel of its fwd+bwd, the steps' and the op's,
     in one parallel round before the inputs step runs (else the inputs step's kernel compiles
     alone first, then the rest with the op: two rounds, the first ~8 s on an H100 machine).
     backward_reruns: the op's backward will run its forward again, keeping its chunk states (a
     compiled call): that forward's kernels and its backward's are in the round too. host_offsets():
-    the host copy of cu_seqlens or None (read only here, on a first call)."""
+    the host copy of cu_seqlens or None (read only here, on a first call); norm_key: the
+    `OutputNorm.key` an inference call offers the op."""
     lay = config.layout
     if runtime.compiled(kernel_steps.inputs_plan(P, lay, conv_weight, config.allow_neg_eigval).forward):
         return
@@ -113,7 +119,7 @@ def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, host_offsets,
     # (where the backward runs the forward again, the steps' plans follow that forward's backward plan)
     op_plans = tilelang_forward_plans(*shapes, output_final_state, num_seqs, cu_seqlens_cpu, config.intra_cp,
                                       config.save_states, options, True, () if backward_reruns else step_plans,
-                                      backward_follows=training and not backward_reruns)
+                                      backward_follows=training and not backward_reruns, gated_norm=norm_key)
     if op_plans and backward_reruns:
         op_plans += tilelang_forward_plans(*shapes, False, num_seqs, cu_seqlens_cpu, config.intra_cp, True, options,
                                            True, step_plans)
@@ -129,7 +135,8 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     GPU has that work while the host waits and plans the op), or None. positions: the rows' token
     positions where the caller has them, else formed from cu_seqlens. training: a backward follows
     (a first call then compiles the backward's kernels too). backward_reruns: see
-    `_compile_first_call`."""
+    `_compile_first_call`. Where no backward follows the op may apply the gated norm itself (its
+    fused walk, `kernels.forward.OutputNorm`): o is then y."""
     pending = cu_seqlens_cpu if isinstance(cu_seqlens_cpu, OffsetsReadBack) else None
 
     def host_offsets():
@@ -141,9 +148,13 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     # on the first call the op compiles the steps' kernels with its own
     step_plans = (partial(_kernel_step_plans, config, conv_weight.shape[-1], P.dtype, training, reruns=backward_reruns)
                   if steps is kernel_steps else ())
+    norm = None
+    if steps is kernel_steps and not training:
+        norm = OutputNorm(P, norm_weight, lay.z_offset, lay.z_head_stride, config.norm_eps)
+        norm = norm if norm.key is not None else None
     if steps is kernel_steps:
         _compile_first_call(P, conv_weight, initial_state, cu_seqlens, host_offsets, output_final_state, config,
-                            step_plans, training, backward_reruns)
+                            step_plans, training, backward_reruns, None if norm is None else norm.key)
     rows = P.view(B * T, width)
     if positions is None:  # (offsets not on the host yet: positions formed on the device)
         arrived = pending is None or pending.arrived()
@@ -157,8 +168,11 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=config.backend, intra_cp=config.intra_cp,
         save_states=config.save_states, kernel_options=config.kernel_options, cu_seqlens_cpu=cu_host,
         compile_with=() if backward_reruns else step_plans, v_head_parts=True,
-        backward_follows=training and not backward_reruns)
-    y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
+        backward_follows=training and not backward_reruns, output_norm=norm)
+    if output_normed(gdn):
+        y = o
+    else:
+        y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
     # the op's inputs are recomputed from P in the backward (identical values), not kept
     gdn = replace(gdn, q=None, k=None, v=None, g=None, beta=None, initial_state=None)
     return y.view(B, T, -1), o, gdn, positions, final
@@ -231,7 +245,9 @@ def mixer_fwd(P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, d
               norm_weight: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
               layout: list[int], allow_neg_eigval: bool, norm_eps: float, scale: float, backend: str, intra_cp: str,
               training: bool, save_states: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, o, the handle of what the backward takes: the op's context and the token positions)."""
+    """(y, o, the handle of what the backward takes: the op's context and the token positions);
+    o only where training (an empty tensor else: nothing reads it, and the op's walk may have
+    written y in its place)."""
     keep = training and save_states
     config = _op_config(layout, allow_neg_eigval, norm_eps, scale, backend, intra_cp, keep, P)
     # (training without kept states: the backward runs the op's forward again, whose kernels compile
@@ -241,7 +257,8 @@ def mixer_fwd(P: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, d
                                        None if cu_seqlens is None else OffsetsReadBack.of(cu_seqlens), training=training,
                                        backward_reruns=training and not keep)
     # (on the torch backend the op keeps nothing: its backward recomputes from the inputs)
-    return y, o, kept_states.file((gdn, positions)) if keep and gdn.kernel_saved is not None else kept_states.nothing()
+    handle = kept_states.file((gdn, positions)) if keep and gdn.kernel_saved is not None else kept_states.nothing()
+    return y, o if training else P.new_empty(0), handle
 
 
 @mixer_fwd.register_fake
@@ -249,8 +266,8 @@ def _(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens, la
       scale, backend, intra_cp, training, save_states):
     lay = ProjectionLayout(*layout)
     B, T, _ = P.shape
-    return (P.new_empty(B, T, lay.num_v_heads * lay.head_v_dim), P.new_empty(B, T, lay.num_v_heads, lay.head_v_dim),
-            kept_states.fake_handle())
+    o = P.new_empty(B, T, lay.num_v_heads, lay.head_v_dim) if training else P.new_empty(0)
+    return P.new_empty(B, T, lay.num_v_heads * lay.head_v_dim), o, kept_states.fake_handle()
 
 
 @torch.library.custom_op("flash_qla_cp::gdn_layer_mixer_bwd", mutates_args=(),

@@ -653,6 +653,55 @@ def test_fused_layer_inference_compiles_no_backward_kernel(use_cache, traced):
     assert not any("bwd" in spec.name for spec in compiled)
 
 
+@pytest.mark.parametrize("lengths", [(40000, 25536), None], ids=["split", "dense"])
+@pytest.mark.parametrize("traced", [False, True], ids=["", "compiled_path"])
+def test_fused_layer_inference_walk_applies_the_gated_norm(lengths, traced):
+    """Under no_grad, where the op's walk holds whole 128-wide rows of o (the four-warpgroup walk:
+    a split long sequence, or enough dense rows to fill the GPU), the walk applies the gated norm
+    and writes y (it takes P and the norm's weight), so the layer launches no gated-norm kernel
+    and compiles none; the first call's one round compiles exactly what it launches."""
+    from flash_qla_cp import GatedDeltaNet
+
+    m = GatedDeltaNet(256, 2, 4, 128, 128, intra_cp="auto").to(torch.bfloat16).eval()
+    if lengths is None:
+        cu, x = None, torch.zeros(40, 300, 256, dtype=torch.bfloat16)  # 160 walks of one 128-wide block
+    else:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        x = torch.zeros(1, sum(lengths), 256, dtype=torch.bfloat16)
+    launches = Launches()
+    with torch.no_grad(), tilelang_path(launches, ("ops", "modules.fused_mixer", "modules.gated_deltanet")), \
+            mock.patch.object(torch.compiler, "is_compiling", lambda: traced):
+        y = m(x, cu_seqlens=cu)
+    assert y.shape == x.shape
+    names = launches.names()
+    assert "build_gated_norm_kernel" not in names and names[-1] == "build_fused_fwd_ws4_kernel"
+    walk, args = launches.calls[-1]
+    width = m.projection_layout.width
+    assert walk.kwargs["gated_norm"] == (width, m.projection_layout.z_offset, m.projection_layout.z_head_stride, 1e-6)
+    P, weight = args[-2:]
+    assert P.shape == (1, x.shape[0] * x.shape[1], width) if lengths else P.shape == (*x.shape[:2], width)
+    assert weight.dtype == torch.float32 and weight.shape == (128,)
+    compiled = {spec for plans in launches.plans for plan in plans for spec in plan.specs()}
+    assert compiled == {spec for spec, _ in launches.calls}
+    assert_launches_match_signatures(launches)
+
+
+def test_fused_layer_training_forward_keeps_the_gated_norm_apart():
+    """With a backward to follow the walk writes o (the norm's backward reads it) and the gated-norm
+    kernel runs after it."""
+    from flash_qla_cp import GatedDeltaNet
+
+    m = GatedDeltaNet(256, 2, 4, 128, 128, intra_cp="auto").to(torch.bfloat16)
+    cu = torch.tensor([0, 40000, 65536], dtype=torch.int32)
+    x = torch.zeros(1, 65536, 256, dtype=torch.bfloat16, requires_grad=True)
+    launches = Launches()
+    with tilelang_path(launches, ("ops", "modules.fused_mixer", "modules.gated_deltanet")):
+        m(x, cu_seqlens=cu)
+    names = launches.names()
+    walk = next(spec for spec, _ in launches.calls if spec.name.startswith("build_fused_fwd"))
+    assert "gated_norm" not in walk.kwargs and names[-1] == "build_gated_norm_kernel"
+
+
 def test_fused_layer_under_a_cp_context_launches_match_their_kernels():
     """The fused layer's CP form (layer inputs with the conv halo, the CP op, the gated norm) on the
     TileLang path of a single-process context: its kernels, in order, with their signatures."""

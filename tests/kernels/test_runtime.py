@@ -285,8 +285,9 @@ def test_precompile_lists_every_kernel_the_benchmark_calls_launch():
 
 def test_precompile_with_layer_lists_every_kernel_the_layer_benchmark_launches():
     """`python -m flash_qla_cp.precompile --layer qwen3_next` covers our GatedDeltaNet: every kernel
-    its fwd+bwd launches at the layer benchmark's Qwen3-Next shapes (dense and packed, with and
-    without kept states; recorded on the CPU) is listed."""
+    its fwd+bwd and its inference forward (the walk applying the gated norm) launch at the layer
+    benchmark's Qwen3-Next shapes (dense and packed, with and without kept states; recorded on
+    the CPU) is listed."""
     import sys
 
     sys.path.insert(0, str(TOOLS))
@@ -295,7 +296,7 @@ def test_precompile_with_layer_lists_every_kernel_the_layer_benchmark_launches()
     from flash_qla_cp.precompile import head_config_specs, layer_specs
 
     listed = set(head_config_specs(16, 32, 128, 128, "bfloat16", 132))
-    listed |= set(layer_specs(16, 32, 128, 128, "bfloat16", "qwen3_next", 4, False, 1e-6))
+    listed |= set(layer_specs(16, 32, 128, 128, "bfloat16", "qwen3_next", 4, False, 1e-6, 132))
     launched = layer_shape_specs(["qwen3_next_4x8k", "qwen3_next_varlen8_32k"])
     missing = [s for s in launched if s not in listed]
     assert launched and not missing, [(s.name, s.kwargs) for s in missing]

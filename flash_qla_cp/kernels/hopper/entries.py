@@ -40,7 +40,8 @@ def state_io(T, K, BV, use_initial_state, store_final_state, state_v_first):
     return load_initial_state, store_final
 
 
-def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, threads, store_states=False):
+def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, threads, store_states=False,
+                    norm_width=0):
     """The fused forward's PrimFunc around `body` (the per-CTA walk of one sequence, v-head and
     V block): the argument list of the SPEC and the grid (NV, sequences, HV). Shared by the
     single-warpgroup kernel and the warp-specialised one (`fwd_fused_ws.py`).
@@ -50,11 +51,16 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
     dtype, v - exp(G) (k S) (`bwd_h.build_bwd_h_kernel` writes the same two); chunk
     c of sequence n is row chunk_offsets[n] + c (varlen: an int32 [N + 1] argument after them;
     dense: b * ceil(T / 64) + c). Varlen grids take an int32 [N] `order` after cu_seqlens: the
-    sequences in the order their blocks start (`kernels.tables.walk_order`, longest first)."""
+    sequences in the order their blocks start (`kernels.tables.walk_order`, longest first).
+
+    norm_width (a body that applies the layer's gated norm, `fwd_fused_ws4.py`): the PrimFunc
+    takes the projection rows P [B, T, norm_width] dtype and the norm's weight [V] fp32 after ht
+    and hands them to `body` as P, norm_weight."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
     h_dims = (V, K) if state_v_first else (K, V)
+    W = norm_width
     N0 = T.dynamic("n_h0")
     NT = T.dynamic("n_ht")
     NC = T.dynamic("num_chunks")
@@ -89,6 +95,31 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
                          h_st, vres, chunk_offsets[n])
 
             return gdn_fwd_fused_varlen_states
+
+        if norm_width:
+
+            @T.prim_func
+            def gdn_fwd_fused_varlen_normed(
+                q: T.Tensor((1, Ttot, H, K), dtype),
+                k: T.Tensor((1, Ttot, H, K), dtype),
+                v: T.Tensor((1, Ttot, HV, V), dtype),
+                ag: T.Tensor((1, Ttot, HV, C), dtype),
+                gc: T.Tensor((1, Ttot, HV), acc),
+                cu_seqlens: T.Tensor((N1,), "int32"),
+                order: T.Tensor((NS,), "int32"),
+                h0: T.Tensor((N0, HV, *h_dims), acc),
+                o: T.Tensor((1, Ttot, HV, V), dtype),
+                ht: T.Tensor((NT, HV, *h_dims), acc),
+                P: T.Tensor((1, Ttot, W), dtype),
+                norm_weight: T.Tensor((V,), acc),
+            ):
+                with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
+                    n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)
+                    s0 = cu_seqlens[n]
+                    body(q, k, v, ag, gc, h0, o, ht, 0, n, bhv, bv, s0, cu_seqlens[n + 1] - s0, P=P,
+                         norm_weight=norm_weight)
+
+            return gdn_fwd_fused_varlen_normed
 
         @T.prim_func
         def gdn_fwd_fused_varlen(
@@ -133,6 +164,26 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
 
         return gdn_fwd_fused_states
 
+    if norm_width:
+
+        @T.prim_func
+        def gdn_fwd_fused_normed(
+            q: T.Tensor((B, Tlen, H, K), dtype),
+            k: T.Tensor((B, Tlen, H, K), dtype),
+            v: T.Tensor((B, Tlen, HV, V), dtype),
+            ag: T.Tensor((B, Tlen, HV, C), dtype),
+            gc: T.Tensor((B, Tlen, HV), acc),
+            h0: T.Tensor((N0, HV, *h_dims), acc),
+            o: T.Tensor((B, Tlen, HV, V), dtype),
+            ht: T.Tensor((NT, HV, *h_dims), acc),
+            P: T.Tensor((B, Tlen, W), dtype),
+            norm_weight: T.Tensor((V,), acc),
+        ):
+            with T.Kernel(NV, B, HV, threads=threads) as (bv, bb, bhv):
+                body(q, k, v, ag, gc, h0, o, ht, bb, bb, bhv, bv, 0, Tlen, P=P, norm_weight=norm_weight)
+
+        return gdn_fwd_fused_normed
+
     @T.prim_func
     def gdn_fwd_fused(
         q: T.Tensor((B, Tlen, H, K), dtype),
@@ -159,9 +210,10 @@ def ws_pieces(T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_stat
     load_initial_state, store_final = state_io(T, K, BV, use_initial_state, store_final_state, state_v_first)
 
     @T.macro
-    def masked_p(q_s, k_s, g_s, s, p_f, p_s):
-        # P = q k^T gated, masked, scaled, stored (the elementwise rule, hopper/common.py). G falls
-        # along the chunk, so the clamp changes only the masked entries (it keeps their
+    def masked_p(q_s, k_s, g_s, s, p_f, p_s, shared=True):
+        # P = q k^T gated, masked, scaled, stored (the elementwise rule, hopper/common.py) into
+        # p_s: a shared tile, or with shared=False a register fragment (a GEMM's A operand). G
+        # falls along the chunk, so the clamp changes only the masked entries (it keeps their
         # exponentials finite).
         T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
         for i, j in T.Parallel(C, C):
@@ -169,7 +221,8 @@ def ws_pieces(T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_stat
         for i, j in T.Parallel(C, C):
             p_f[i, j] = T.if_then_else(i >= j, p_f[i, j] * scale, T.float32(0))
         T.copy(p_f, p_s)
-        T.fence_proxy_async()
+        if shared:
+            T.fence_proxy_async()
 
     @T.macro
     def store_w(w_s, vres, bb, t0, bhv, v0, L):

@@ -20,6 +20,14 @@ the warpgroup that runs each step changes. Hand-overs, each a shared tile with r
 mbarriers: h (state -> value, output; h_free when both have read it), v_new / v_d (value ->
 output / state; vn_free when the output has read v_new: the state has read v_d before it
 publishes the next h, which the value warpgroup waits for).
+
+With `gated_norm` (inference: no chunk states stored) the output warpgroup also applies the
+layer's gated RMSNorm to each chunk of o before storing it, so `o` receives y = o * rsqrt(mean(o^2)
++ eps) * weight * silu(z) (`gated_norm.py`'s arithmetic, from o in fp32 instead of its bf16
+copy) and the layer skips the norm's own pass over o. The block holds whole 128-wide rows of o, so
+the mean is a row reduction in registers. z comes by TMA from its columns of the projection rows
+P into a tile of its own, issued at the start of the chunk; to make room for that tile P = q k^T
+stays in registers as the A operand of the P v_new GEMM instead of going through shared memory.
 """
 
 from .common import CHUNK, LOG2E, import_tilelang, swizzle_read_tiles, tl_dtype
@@ -40,16 +48,27 @@ def build_fused_fwd_ws4_kernel(
     block_v: int = 128,
     num_stages: int = 2,
     store_states: bool = False,
+    gated_norm: tuple | None = None,
 ):
     """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N or B, HV),
     512 threads). num_stages: depth of the loader's ring. Whole chunks of o leave through a
-    shared tile and a TMA store (coalesced) instead of each thread's fragment stores."""
+    shared tile and a TMA store (coalesced) instead of each thread's fragment stores.
+    gated_norm: (width, z_offset, z_head_stride, eps) of the layer's projection rows P
+    (`reference.layer_steps.ProjectionLayout`): o receives the gated norm's output, and the
+    PrimFunc takes P and the norm's fp32 weight [V] after ht (`fused_fwd_entry`); needs
+    block_v == V and no store_states."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
     dtype = tl_dtype(dtype)
     BV = block_v
     assert V % BV == 0 and BV % 16 == 0 and K % 64 == 0 and K <= 128 and num_stages >= 2
+    normed = gated_norm is not None
+    assert not normed or (BV == V and not store_states), "the gated norm needs whole rows of o, no stored states"
+    if normed:
+        _, z_offset, z_head_stride, eps = gated_norm
+        eps = float(eps)
+        group = HV // H
     NS = num_stages
     NV = V // BV
     scale = float(scale)
@@ -58,12 +77,17 @@ def build_fused_fwd_ws4_kernel(
     # holds K x BV / 128 floats of S (128 at BV = 128), the value warpgroup two [64, BV]
     # accumulators, the output warpgroup P and o
     STATE_REGS, VALUE_REGS, OUTPUT_REGS, LOADER_REGS = 168, 168, 144, 32
+    if gated_norm is not None:
+        # with the norm's epilogue ptxas spills (4-12 bytes) at 168 / 168 / 144 / 32 and at caps moved to
+        # the output warpgroup; none here (`nvcc -Xptxas -v` on the lowered source, 2026-12-06)
+        STATE_REGS, VALUE_REGS, OUTPUT_REGS, LOADER_REGS = 176, 168, 144, 24
     O_TILE_BARRIER = 12  # a named barrier id TileLang's own per-warpgroup syncs (3-5) do not use
     load_initial_state, store_final, masked_p, store_w, store_o, loader = ws_pieces(
         T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_state, state_v_first)
 
     @T.macro
-    def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0):
+    def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0, P=None,
+             norm_weight=None):
         v0 = bv * BV
         # ring of NS stages filled by the loader
         q_s = T.alloc_shared((NS, C, K), dtype)
@@ -78,7 +102,16 @@ def build_fused_fwd_ws4_kernel(
         vd_s = T.alloc_shared((C, BV), dtype)  # exp(G_L - G) v_new, rows < L: value -> state
         # private
         w_s = T.alloc_shared((C, BV), dtype)  # value (read by the output's TMA store)
-        p_s = T.alloc_shared((C, C), dtype)  # output
+        if normed:
+            p_s = T.alloc_fragment((C, C), dtype)  # output: P as the GEMM's register operand
+            z_s = T.alloc_shared((C, BV), dtype)  # output: z of the chunk (TMA)
+            swizzle_read_tiles(z_s)
+            nw_s = T.alloc_shared((BV,), acc)  # output: the norm's weight
+            ms_r = T.alloc_reducer((C,), acc, op="sum")
+            ms_f = T.alloc_fragment((C,), acc)
+            z_ready = T.alloc_barrier(arrive_count=WG)
+        else:
+            p_s = T.alloc_shared((C, C), dtype)  # output
         o_s = T.alloc_shared((C, BV), dtype)  # output (TMA store source)
         s_f = T.alloc_fragment((K, BV), acc)
         x_f = T.alloc_fragment((C, BV), acc)
@@ -146,12 +179,20 @@ def build_fused_fwd_ws4_kernel(
         elif tx < 3 * WG:
             # ---- output warpgroup ----
             T.set_max_nreg(OUTPUT_REGS, 1)
+            if normed:
+                z_col = z_offset + (bhv // group) * z_head_stride + (bhv % group) * V
+                for j in T.Parallel(BV):
+                    nw_s[j] = norm_weight[j]
+                T.sync_threads(O_TILE_BARRIER, WG)
             for c in T.serial(n_chunks):
                 s = c % NS
                 t0 = t_start + c * C
                 L = T.min(seq_len - c * C, C)
+                if normed:  # (z_s is free: every thread read the last chunk's z before that chunk's store)
+                    T.tma_copy(P[bb, t0 : t0 + C, z_col : z_col + BV], z_s, barrier=z_ready)
+                    T.barrier_arrive(z_ready)
                 T.barrier_wait(data_ready[s], (c // NS) % 2)
-                masked_p(q_s, k_s, g_s, s, p_f, p_s)
+                masked_p(q_s, k_s, g_s, s, p_f, p_s, not normed)
                 T.barrier_wait(h_ready, c % 2)
                 if store_states:  # TMA store, waited for (smem read) before h_free
                     T.tma_copy(h_s, h_st[c_base + c, bhv, :, v0 : v0 + BV])
@@ -169,6 +210,17 @@ def build_fused_fwd_ws4_kernel(
                     T.tma_store_wait(0)
                 T.barrier_arrive(vn_free)
                 T.barrier_arrive(data_free[s])
+                if normed:
+                    T.barrier_wait(z_ready, c % 2)
+                    T.reducer_init(ms_r)
+                    for i, j in T.Parallel(C, BV):
+                        T.reducer_update(ms_r[i], o_f[i, j] * o_f[i, j])
+                    T.finalize_reducer(ms_r, ms_f)
+                    for i in T.Parallel(C):
+                        ms_f[i] = T.rsqrt(ms_f[i] / V + eps)
+                    for i, j in T.Parallel(C, BV):
+                        z = T.cast(z_s[i, j], acc)
+                        o_f[i, j] = o_f[i, j] * ms_f[i] * nw_s[j] * z / (T.float32(1) + T.exp(-z))
                 # o by TMA for whole chunks only (a partial chunk's rows past L belong to the next sequence)
                 if L == C:
                     T.tma_store_wait(0)  # the previous chunk's store has read o_s
@@ -187,4 +239,5 @@ def build_fused_fwd_ws4_kernel(
                 loader(q, k, v, ag, gc, q_s, k_s, v_s, a_s, g_s, data_ready, data_free, bb, bhv, v0, t_start,
                        seq_len, NS)
 
-    return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, 4 * WG, store_states)
+    return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, 4 * WG, store_states,
+                           gated_norm[0] if normed else 0)
