@@ -94,8 +94,10 @@ def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, training: boo
                                      states_kept)
     if training:
         return plans
-    norm_in_walk = forward_plan is not None and forward_plan.applies_norm
-    return (kernel_steps.ForwardSteps(plans[:1] if norm_in_walk else plans),)  # (inputs step, gated norm)
+    if forward_plan is not None and forward_plan.applies_norm:
+        norm_plan = kernel_steps.plan_gated_norm(lay, kernel_steps.tl_dtype(dtype), config.norm_eps)
+        plans = tuple(p for p in plans if p != norm_plan)
+    return (kernel_steps.ForwardSteps(plans),)
 
 
 def _compile_first_call(P, conv_weight, initial_state, cu_seqlens, host_offsets, output_final_state,
@@ -151,7 +153,6 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     norm = None
     if steps is kernel_steps and not training:
         norm = OutputNorm(P, norm_weight, lay.z_offset, lay.z_head_stride, config.norm_eps)
-        norm = norm if norm.key is not None else None
     if steps is kernel_steps:
         _compile_first_call(P, conv_weight, initial_state, cu_seqlens, host_offsets, output_final_state, config,
                             step_plans, training, backward_reruns, None if norm is None else norm.key)
