@@ -557,6 +557,8 @@ class GatedDeltaNet(nn.Module):
             reach the conv window of later tokens nor the state, and their output is 0. Works for left
             and right padding (left padding keeps the cache usable for decoding).
         cu_seqlens: [N+1] offsets of sequences packed along T (B == 1); the conv does not cross them.
+            Read back to the host once per tensor while it is unchanged (torch's in-place ops change
+            it; a tensor whose memory something else writes must be passed as a new tensor).
         cache: state from a previous call (use_cache=True) to continue N sequences.
         initial_state: [N, HV, dk, dv] recurrent state only (conv history taken as zeros), or a GDNCache.
         cp_context: context-parallel plan, passed to the core op (and the conv seam) when given.

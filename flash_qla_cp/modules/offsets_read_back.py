@@ -10,7 +10,8 @@ A model passes one cu_seqlens tensor to every layer of a step (and a benchmark t
 its copy is kept for the same tensor object until the tensor changes (its version counter moves
 with every in-place torch op on it or on a view of it), so only the first layer waits for the
 GPU and the others queue their work behind it without a pause. Not kept: inference-mode tensors
-(they count no versions).
+(they count no versions). A write the version counter does not see (a kernel or library writing
+the tensor's memory itself) is not seen: such a caller passes a new tensor.
 """
 
 from __future__ import annotations
