@@ -104,10 +104,11 @@ class DirectLaunch:
     the adapter, 6-13 direct). The entry function still checks each argument's shape, dtype and
     device against the kernel's signature.
 
-    The module is loaded when the launcher is made, in the compile pool's thread: a kernel
-    compiled in this process needs its host code built into a library first (0.2-1 s each; done
-    one by one at the first launches, a cold first fwd+bwd of the layer spent 7.0 s outside its
-    compile round on the H100 machine, 1.7 s since). Loading needs no GPU."""
+    The module is loaded when the launcher is made, in the compile pool's thread. A kernel
+    compiled in this process is loaded from the library TileLang's cache has just saved for it;
+    without one (cache disabled) its host code is built into a library again (0.2-1 s each).
+    Done one by one at the first launches, that build cost a cold first fwd+bwd of the layer
+    5.3 s on the H100 machine. Loading needs no GPU."""
 
     __slots__ = ("kernel", "_entry")
 
@@ -123,10 +124,26 @@ class DirectLaunch:
         if get_executable is None:  # another execution backend: its own call path
             return self.kernel
         executable = get_executable()
-        # a kernel compiled in this process gives a tvm Executable (its runnable module comes from
-        # jit(): the host library's build); one loaded from TileLang's disk cache gives the module itself
-        module = executable.jit() if hasattr(executable, "jit") else executable
+        if hasattr(executable, "jit"):  # compiled in this process: a tvm Executable, not yet a module
+            saved = _saved_library(self.kernel)
+            module = tilelang_runtime_module(saved) if saved else executable.jit()
+        else:  # loaded from TileLang's disk cache: the module itself
+            module = executable
         return module.main
+
+
+def _saved_library(kernel) -> str | None:
+    """The library TileLang's kernel cache saved for a kernel it just compiled, if there is one
+    (TileLang 0.1.15 tags the kernel with its cache folder; the tvm-ffi backend's file name)."""
+    folder = getattr(kernel, "_tilelang_cache_path", None)
+    path = os.path.join(folder, "executable.so") if folder else None
+    return path if path and os.path.isfile(path) else None
+
+
+def tilelang_runtime_module(path: str):
+    from tilelang import tvm
+
+    return tvm.runtime.load_module(path)
 
 
 _compile_lock = threading.Lock()

@@ -378,3 +378,34 @@ def test_tune_prepare_lists_its_variants_as_a_kernel_log(tmp_path):
     assert specs == tune_prepare.variant_specs("tp1_1x32k") + tune_prepare.variant_specs("tp1_varlen8_32k")
     assert len(set(specs)) == len(specs) == 2 * len(tune_prepare.BLOCKS_PER_SM)
     assert plan_backward(16, 32, 128, 128, "bfloat16", 1.0, False, False, 1, 132).prepare in specs
+
+
+def test_a_kernel_compiled_here_loads_the_library_the_cache_saved_instead_of_building_it_again(tmp_path):
+    """TileLang's cache has just exported the kernel's host library: the launcher loads that
+    file; only without one (cache disabled) does it build the library again (jit())."""
+    built, loaded = [], []
+
+    class Module:
+        def main(self, *args):
+            pass
+
+    class Executable:
+        def jit(self):
+            built.append(1)
+            return Module()
+
+    class Adapter:
+        def _get_executable(self):
+            return Executable()
+
+    class Kernel:
+        adapter = Adapter()
+
+    (tmp_path / "executable.so").write_bytes(b"")
+    cached = Kernel()
+    cached._tilelang_cache_path = str(tmp_path)
+    with mock.patch.object(runtime, "tilelang_runtime_module", lambda path: loaded.append(path) or Module()):
+        runtime.DirectLaunch(cached)
+        assert loaded == [str(tmp_path / "executable.so")] and built == []
+        runtime.DirectLaunch(Kernel())  # no saved library
+        assert built == [1] and len(loaded) == 1
