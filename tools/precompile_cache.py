@@ -218,10 +218,11 @@ def layer_shape(name, lib="ours"):
     return layer, cu, (1, sum(lengths), hidden) if cu is not None else (B, T, hidden)
 
 
-def layer_shape_step(name, lib="ours"):
+def layer_shape_step(name, lib="ours", inference=True):
     """One fwd+bwd of our GatedDeltaNet (`lib` of benchmarks/bench_layer.py) on the named shape of
-    that benchmark, on CPU tensors with the matmuls skipped (the host path the benchmark runs),
-    as a callable: the layer and its input are built here, the step runs when called."""
+    that benchmark, then (inference) a forward without grad, on CPU tensors with the matmuls
+    skipped (the host path the benchmark runs), as a callable: the layer and its input are built
+    here, the step runs when called."""
     layer, cu, shape = layer_shape(name, lib)  # (puts benchmarks/ on the path)
     from bench_layer import call
 
@@ -230,8 +231,9 @@ def layer_shape_step(name, lib="ours"):
     def step():
         with MatmulsSkipped():
             call(layer, lib, x, cu).float().sum().backward()
-            with torch.no_grad():  # (the benchmark's forward: the inference kernels)
-                call(layer, lib, x, cu)
+            if inference:
+                with torch.no_grad():  # (the benchmark's forward: the inference kernels)
+                    call(layer, lib, x, cu)
 
     return step
 
