@@ -8,8 +8,9 @@ Prints one JSON line per shape, library and pass: each CUDA kernel's time per ca
 profile_layer.json under --out. Shapes and layers are those of benchmarks/bench_layer.py.
 --compile profiles the calls under torch.compile instead (as bench_layer's compile rows run them).
 Where wall and kernel sum differ, each line also says where: the host ms per call (calls issued
-back to back), the runtime calls that wait for the GPU, and the GPU's idle time between the
-kernels of one call, with its largest gaps (microseconds, the kernels on either side).
+back to back), and for calls run back to back as the benchmark runs them, the GPU's idle time
+per call between kernels, its largest gaps (microseconds, the kernels on either side) and the
+runtime calls that wait for the GPU (the profiler's own final synchronize left out).
 """
 
 import argparse
@@ -29,22 +30,25 @@ from profile_kernels import WAITING_CALLS, host_ms, kernel_times  # noqa: E402
 from flash_qla_cp.testing import random_cu_seqlens  # noqa: E402
 
 
-def idle_gaps(fn, top=6):
-    """(GPU idle ms between the first and last kernel of one warm call of fn, its `top` largest
-    gaps as (us, kernel before, kernel after), runtime calls in the call that wait for the GPU)."""
+def idle_gaps(fn, calls=5, top=6):
+    """(GPU idle ms per call while `calls` warm calls of fn run back to back, as a benchmark runs
+    them, the `top` largest gaps as (us, kernel before, kernel after), runtime calls in them that
+    wait for the GPU). The first call's own start is left out: it begins on an idle GPU, where
+    the host's time before its first launch shows as a gap that back-to-back calls hide."""
     fn()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
-    waits = sorted({e.name for e in prof.events() if e.name in WAITING_CALLS})
+    waits = sorted({e.name for e in prof.events() if e.name in WAITING_CALLS and e.name != "cudaDeviceSynchronize"})
     gaps = [(max(0.0, b.time_range.start - a.time_range.end), a.name[:40], b.name[:40])
             for a, b in zip(kernels, kernels[1:])]
     largest = [(round(us, 1), before, after) for us, before, after in sorted(gaps, reverse=True)[:top]]
-    return round(sum(g[0] for g in gaps) / 1000, 4), largest, waits
+    return round(sum(g[0] for g in gaps) / 1000 / calls, 4), largest, waits
 
 
 def main():
