@@ -442,6 +442,11 @@ class GatedDeltaNet(nn.Module):
                 _fail(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
             N = cu_seqlens.numel() - 1
             if not torch.compiler.is_compiling():  # (values: a host read, which a traced call cannot make)
+                if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+                    # (a replay would keep the plan made from the captured values, whatever cu_seqlens holds then)
+                    _fail("a packed call (cu_seqlens) cannot be captured in a CUDA graph: the call is planned "
+                          "from cu_seqlens' values on the host; capture dense batches, or call the op "
+                          "chunk_gated_delta_rule with cu_seqlens_cpu")
                 offsets = OffsetsReadBack.of(cu_seqlens)
         if conv_state is not None:
             W = self.conv_size - 1

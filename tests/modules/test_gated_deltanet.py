@@ -471,3 +471,20 @@ def test_no_tokens_give_an_empty_output_and_hand_the_states_on():
     assert torch.equal(again.recurrent_state, after.recurrent_state) and torch.equal(again.conv_state, after.conv_state)
     with pytest.raises(ValueError, match="batch size 0"):
         m(_x(0, 4))
+
+
+def test_a_packed_call_refuses_cuda_graph_capture(monkeypatch):
+    """A packed call is planned from cu_seqlens' values on the host (read back once per tensor):
+    captured in a CUDA graph, its replays would keep that plan whatever cu_seqlens later holds, so
+    the layer refuses the capture with an error that names the way out."""
+
+    class OnGpu(torch.Tensor):  # (this machine may have no GPU: the check reads is_cuda)
+        @property
+        def is_cuda(self):
+            return True
+
+    m = GatedDeltaNet(64, 2, 4, 16, 16)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32).as_subclass(OnGpu)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="cannot be captured in a CUDA graph.*cu_seqlens_cpu"):
+        m(torch.randn(1, 30, 64), cu_seqlens=cu)
