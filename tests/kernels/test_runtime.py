@@ -22,6 +22,30 @@ def _precompile_cache_module():
     return module
 
 
+def _kernel_compiled_here(on_jit, on_call=lambda args: None):
+    """A stand-in for a kernel TileLang compiled in this process: its adapter gives a tvm
+    Executable whose jit() (the host library's build) calls on_jit and returns a module whose
+    entry calls on_call with the launch's arguments."""
+
+    class Module:
+        def main(self, *args):
+            on_call(args)
+
+    class Executable:
+        def jit(self):
+            on_jit()
+            return Module()
+
+    class Adapter:
+        def _get_executable(self):
+            return Executable()
+
+    class Kernel:
+        adapter = Adapter()
+
+    return Kernel()
+
+
 def test_specs_are_equal_and_hashable_by_value():
     a = KernelSpec.of(build_prepare_kernel, H=2, HV=4, K=128, dtype="bfloat16", is_varlen=True)
     b = KernelSpec.of(build_prepare_kernel, is_varlen=True, dtype="bfloat16", K=128, HV=4, H=2)
@@ -88,35 +112,23 @@ def test_launcher_calls_the_module_entry_it_loaded_when_compiled():
         assert entry_calls == [("a", 1), ("b", 2)] and lookups == [1, 1]
 
 
-def test_kernels_compiled_in_this_process_get_their_host_library_built_in_the_compile_pool(monkeypatch, tmp_path):
-    """A kernel compiled in this process (a tvm Executable) has its host library built by
-    jit() in the pool's threads, in parallel, not one by one at the first launches."""
+def test_kernels_compiled_in_this_process_get_their_modules_loaded_in_the_compile_pool(monkeypatch, tmp_path):
+    """A kernel compiled in this process (a tvm Executable) has its module loaded (here, with no
+    saved library, its host library built by jit()) in the pool's threads, in parallel, not one
+    by one at the first launches."""
     import threading
 
     tilelang = pytest.importorskip("tilelang")
     monkeypatch.setattr(tilelang.env, "TILELANG_CACHE_DIR", str(tmp_path))
     built_in, entry_calls = [], []
 
-    class Module:
-        def main(self, *args):
-            entry_calls.append(args)
-
-    class Executable:
-        def jit(self):
-            built_in.append(threading.current_thread().name)
-            return Module()
-
-    class Adapter:
-        def _get_executable(self):
-            return Executable()
-
-    class Kernel:
-        adapter = Adapter()
+    def kernel():
+        return _kernel_compiled_here(lambda: built_in.append(threading.current_thread().name), entry_calls.append)
 
     def factory(n):
         return ("prim_func", n)
 
-    with mock.patch("tilelang.compile", lambda prim_func, **kw: Kernel()), \
+    with mock.patch("tilelang.compile", lambda prim_func, **kw: kernel()), \
             mock.patch.dict(runtime._launchers, clear=True), \
             mock.patch.object(runtime.prim_func_store, "prim_func", lambda spec: spec.build()):
         runtime.precompile([KernelSpec.of(factory, n=n) for n in range(3)], num_workers=2)
@@ -385,27 +397,11 @@ def test_a_kernel_compiled_here_loads_the_library_the_cache_saved_instead_of_bui
     file; only without one (cache disabled) does it build the library again (jit())."""
     built, loaded = [], []
 
-    class Module:
-        def main(self, *args):
-            pass
-
-    class Executable:
-        def jit(self):
-            built.append(1)
-            return Module()
-
-    class Adapter:
-        def _get_executable(self):
-            return Executable()
-
-    class Kernel:
-        adapter = Adapter()
-
     (tmp_path / "executable.so").write_bytes(b"")
-    cached = Kernel()
+    cached = _kernel_compiled_here(lambda: built.append(1))
     cached._tilelang_cache_path = str(tmp_path)
-    with mock.patch.object(runtime, "tilelang_runtime_module", lambda path: loaded.append(path) or Module()):
+    with mock.patch.object(runtime, "tilelang_runtime_module", lambda path: loaded.append(path) or mock.Mock()):
         runtime.DirectLaunch(cached)
         assert loaded == [str(tmp_path / "executable.so")] and built == []
-        runtime.DirectLaunch(Kernel())  # no saved library
+        runtime.DirectLaunch(_kernel_compiled_here(lambda: built.append(1)))  # no saved library
         assert built == [1] and len(loaded) == 1
