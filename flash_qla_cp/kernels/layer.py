@@ -158,8 +158,10 @@ def op_inputs_backward(dq, dk, dv, dg, dbeta, dz, P, layout, conv_weight, A_log,
     spec = _tuned(plan.backward, tuning)
     blocks = -(-NT // spec.kwargs["block_tokens"])
     dweight_part = P.new_empty(blocks, C, K, dtype=torch.float32)
-    da_tokens = P.new_empty(NT, HV, dtype=torch.float32)
-    dA_log_tokens = P.new_empty(NT, HV, dtype=torch.float32)
+    # per-token terms of dA_log and d dt_bias in one buffer, so that one reduction sums both (rows
+    # rounded up to 4: the second starts 16-byte aligned, as kernel operands do)
+    gate_tokens = P.new_empty(2, -(-NT // 4) * 4, HV, dtype=torch.float32)[:, :NT]
+    dA_log_tokens, da_tokens = gate_tokens[0], gate_tokens[1]
     dy_head = P.new_empty(K - 1, C, dtype=torch.float32)
     weight = _fp32(conv_weight.reshape(C, K))
     runtime.compile_kernel(spec)(
@@ -169,7 +171,8 @@ def op_inputs_backward(dq, dk, dv, dg, dbeta, dz, P, layout, conv_weight, A_log,
         dA_log_tokens, dy_head)
     dweight = dweight_part.sum(0).reshape(conv_weight.shape).to(conv_weight.dtype)
     dhistory = _history_grad(dy_head, weight, positions).to(history.dtype) if history is not None else None
-    return dweight, dA_log_tokens.sum(0).to(A_log.dtype), da_tokens.sum(0).to(dt_bias.dtype), dhistory
+    dA_log, ddt_bias = gate_tokens.sum(1)
+    return dweight, dA_log.to(A_log.dtype), ddt_bias.to(dt_bias.dtype), dhistory
 
 
 def _history_grad(dy_head, weight, positions):

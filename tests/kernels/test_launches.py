@@ -188,7 +188,8 @@ def _built(spec):
 
 def assert_launches_match_signatures(launches):
     """Each recorded launch passes one argument per PrimFunc parameter, tensors of the buffer's
-    rank and dtype: the plumbing between the host code and the kernels, checked without a GPU."""
+    rank and dtype, contiguous and 16-byte aligned (the kernels' vector and TMA accesses): the
+    plumbing between the host code and the kernels, checked without a GPU."""
     for spec, args in launches.calls:
         prim = _built(spec)
         assert len(args) == len(prim.params), spec.name
@@ -199,6 +200,7 @@ def assert_launches_match_signatures(launches):
             assert torch.is_tensor(arg), (spec.name, var.name)
             assert arg.dim() == len(buf.shape), (spec.name, buf.name, arg.shape)
             assert str(arg.dtype).replace("torch.", "") == str(buf.dtype), (spec.name, buf.name, arg.dtype)
+            assert arg.is_contiguous() and arg.data_ptr() % 16 == 0, (spec.name, buf.name, arg.stride())
 
 
 @pytest.mark.parametrize("with_states", [True, False])
