@@ -175,8 +175,8 @@ def layer_test_specs(sms=132):
                 m(x, cu_seqlens=cu, cache=cache, use_cache=True)
             m(x, cu_seqlens=cu, cache=GDNCache(cache.conv_state, cache.recurrent_state)).float().sum().backward()
             # test_inference_walk_applies_the_gated_norm_within_limits: packed (split) and dense rows
-            for x, cu_rows in ((torch.zeros(1, 25410, 512, dtype=torch.bfloat16),
-                                random_cu_seqlens([9000, 1, 0, 12345, 63, 4001])),
+            for x, cu_rows in ((torch.zeros(1, 66065, 512, dtype=torch.bfloat16),
+                                random_cu_seqlens([20000, 1, 0, 30000, 63, 16001])),
                                (torch.zeros(40, 333, 512, dtype=torch.bfloat16), None)):
                 with torch.no_grad():
                     m(x, cu_seqlens=cu_rows)
