@@ -49,7 +49,9 @@ def load_log(path):
         for line in filter(str.strip, f):
             entry = json.loads(line)
             factory = getattr(importlib.import_module(entry["module"]), entry["factory"])
-            specs.append(KernelSpec.of(factory, **entry["params"]))
+            # (JSON writes a tuple parameter, e.g. `OutputNorm.key`, as a list: a spec is hashable)
+            params = {k: tuple(v) if isinstance(v, list) else v for k, v in entry["params"].items()}
+            specs.append(KernelSpec.of(factory, **params))
     return specs
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from flash_qla_cp.kernels import runtime
 from flash_qla_cp.kernels.hopper.bwd_fused import build_bwd_fused_ws_kernel
+from flash_qla_cp.kernels.hopper.fwd_fused_ws4 import build_fused_fwd_ws4_kernel
 from flash_qla_cp.kernels.hopper.prepare import build_prepare_kernel
 from flash_qla_cp.kernels.runtime import KernelSpec
 
@@ -60,10 +61,14 @@ def test_logged_kernels_read_back_as_specs(tmp_path, monkeypatch):
         KernelSpec.of(build_prepare_kernel, H=2, HV=4, K=128, dtype="bfloat16", is_varlen=True),
         KernelSpec.of(build_bwd_fused_ws_kernel, H=16, HV=32, K=128, V=128, dtype="bfloat16", scale=128**-0.5,
                       use_dht=True, store_dh0=False),
+        KernelSpec.of(build_fused_fwd_ws4_kernel, H=16, HV=32, K=128, V=128, dtype="bfloat16", scale=128**-0.5,
+                      is_varlen=True, use_initial_state=False, store_final_state=False, state_v_first=False,
+                      block_v=128, gated_norm=(12352, 512, 768, 1e-06)),  # (a tuple parameter)
     ]
     for spec in logged:
         runtime._log_kernel(spec)
-    assert _precompile_cache_module().load_log(str(log)) == logged
+    read = _precompile_cache_module().load_log(str(log))
+    assert read == logged and len(set(read)) == len(logged)
 
 
 def test_no_log_without_the_variable(tmp_path, monkeypatch):
