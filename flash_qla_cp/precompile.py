@@ -40,23 +40,29 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 WALK_COUNTS = tuple(2**i for i in range(13))
 
 
+def forward_plans(H: int, HV: int, K: int, V: int, dtype: str, sms: int, walks: int, saves=(False, True),
+                  gated_norm: tuple | None = None):
+    """Every forward plan of `walks` walks for these heads on a GPU of `sms` SMs: dense and packed,
+    with and without initial / final states, kept chunk states as `saves` lists, unsplit and (K, V
+    <= 128) split into partitions of few sequences; gated_norm as `plan_forward` takes it."""
+    split_seqs = (1, max(1, walks // 8)) if max(K, V) <= 128 and walks >= 2 else ()
+    for varlen in (False, True):
+        for use_h0 in (False, True):
+            for final in (False, True):
+                for save in saves:
+                    for seqs in (0, *split_seqs):
+                        yield plan_forward(H, HV, K, V, dtype, K**-0.5, varlen, use_h0, final, False, walks, sms,
+                                           seqs, save, gated_norm=gated_norm)
+
+
 def head_config_specs(H: int, HV: int, K: int, V: int, dtype: str, sms: int) -> list:
     """Every KernelSpec the plans choose for these heads on a GPU of `sms` SMs, once each, in the
     order the plans name them."""
     scale = K**-0.5
     specs = {}
     for walks in WALK_COUNTS:
-        for varlen in (False, True):
-            for use_h0 in (False, True):
-                for final in (False, True):
-                    for save in (False, True):
-                        plans = [plan_forward(H, HV, K, V, dtype, scale, varlen, use_h0, final, False, walks, sms,
-                                              0, save)]
-                        if max(K, V) <= 128 and walks >= 2:  # the split forward (partitions of few sequences)
-                            plans += [plan_forward(H, HV, K, V, dtype, scale, varlen, use_h0, final, False, walks,
-                                                   sms, seqs, save) for seqs in (1, max(1, walks // 8))]
-                        for plan in plans:
-                            specs.update(dict.fromkeys(plan.specs()))
+        for plan in forward_plans(H, HV, K, V, dtype, sms, walks):
+            specs.update(dict.fromkeys(plan.specs()))
         for use_h0 in (False, True):
             for use_dht in (False, True):
                 for saved in (False, True):
@@ -78,16 +84,9 @@ def layer_specs(H: int, HV: int, K: int, V: int, dtype: str, layout: str, conv_s
     the op's inference walks that apply its gated norm (on a GPU of `sms` SMs)."""
     lay = LAYOUTS[layout](H, HV, K, V)
     norm = (lay.width, lay.z_offset, lay.z_head_stride, float(norm_eps))
-    walks = {}
-    for count in WALK_COUNTS:
-        for varlen in (False, True):
-            for use_h0 in (False, True):
-                for final in (False, True):
-                    for seqs in (0, 1, max(1, count // 8)) if max(K, V) <= 128 and count >= 2 else (0,):
-                        plan = plan_forward(H, HV, K, V, dtype, K**-0.5, varlen, use_h0, final, False, count, sms,
-                                            seqs, gated_norm=norm)
-                        if plan.applies_norm:
-                            walks[plan.fused] = None
+    walks = {plan.fused: None for count in WALK_COUNTS
+             for plan in forward_plans(H, HV, K, V, dtype, sms, count, saves=(False,), gated_norm=norm)
+             if plan.applies_norm}
     # the inputs step's backward reads dq, dk summed, or as the op's per-v-head parts (GVA); after
     # an op that kept its chunk states it re-forms the op's inputs without v
     inputs = [*plan_layer_inputs(lay, conv_size, dtype, allow_neg_eigval, recompute_without_v=True).specs()]
