@@ -30,7 +30,7 @@ import torch
 
 from .kernels import runtime
 from .kernels.backward import plan_backward
-from .kernels.forward import plan_forward
+from .kernels.forward import gated_norm_key, plan_forward
 from .kernels.layer import plan_gated_norm, plan_layer_inputs
 from .modules.hf_params import kwargs_from_config
 from .reference.layer_steps import ProjectionLayout
@@ -83,7 +83,7 @@ def layer_specs(H: int, HV: int, K: int, V: int, dtype: str, layout: str, conv_s
     """The fused GatedDeltaNet layer's kernels (`kernels/layer.py`) for one projection layout, and
     the op's inference walks that apply its gated norm (on a GPU of `sms` SMs)."""
     lay = LAYOUTS[layout](H, HV, K, V)
-    norm = (lay.width, lay.z_offset, lay.z_head_stride, float(norm_eps))
+    norm = gated_norm_key(lay.width, lay.z_offset, lay.z_head_stride, norm_eps)
     walks = {plan.fused: None for count in WALK_COUNTS
              for plan in forward_plans(H, HV, K, V, dtype, sms, count, saves=(False,), gated_norm=norm)
              if plan.applies_norm}

@@ -47,6 +47,12 @@ class ForwardPlan:
         return "gated_norm" in self.fused.kwargs
 
 
+def gated_norm_key(width: int, z_offset: int, z_head_stride: int, eps: float) -> tuple:
+    """The fused walk's static gated-norm parameters, as `plan_forward` and the walk's builder
+    (`hopper/fwd_fused_ws4.py`) take them: the projection rows' width, z's columns, the norm's eps."""
+    return (int(width), int(z_offset), int(z_head_stride), float(eps))
+
+
 @dataclass(frozen=True)
 class OutputNorm:
     """The layer's gated RMSNorm y = o * rsqrt(mean(o^2) + eps) * weight * silu(z), offered to the
@@ -68,7 +74,7 @@ class OutputNorm:
         width = self.rows.shape[-1]
         if (width * self.rows.element_size()) % 16:
             return None
-        return (width, self.z_offset, self.z_head_stride, float(self.eps))
+        return gated_norm_key(width, self.z_offset, self.z_head_stride, self.eps)
 
 
 def fused_walk_kernel(walks: int, HV: int, K: int, V: int, sms: int, options: KernelOptions):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..reference.layer_steps import ProjectionLayout
 from .backward import plan_backward
-from .forward import plan_forward
+from .forward import gated_norm_key, plan_forward
 from .layer import plan_gated_norm, plan_layer_inputs
 from .hopper.common import default_pass_configs
 from .runtime import KernelSpec
@@ -82,7 +82,7 @@ def _forward_plans():
     # inference with the layer's gated norm in the walk, dense and split (whole 128-wide rows only)
     H, HV, K, V, dtype = _HEADS["k128"]
     lay = ProjectionLayout.qwen3_next(H, HV, K, V)
-    norm = (lay.width, lay.z_offset, lay.z_head_stride, 1e-6)
+    norm = gated_norm_key(lay.width, lay.z_offset, lay.z_head_stride, 1e-6)
     yield "k128_1000walks_normed", plan_forward(H, HV, K, V, dtype, K**-0.5, False, False, False, False, 1000, SMS,
                                                 gated_norm=norm)
     yield "k128_split_normed", plan_forward(H, HV, K, V, dtype, K**-0.5, True, False, True, False, 64, SMS, 2,
