@@ -33,8 +33,9 @@ from flash_qla_cp.testing import random_cu_seqlens  # noqa: E402
 def idle_gaps(fn, calls=5, top=6):
     """(GPU idle ms per call while `calls` warm calls of fn run back to back, as a benchmark runs
     them, the `top` largest gaps as (us, kernel before, kernel after), runtime calls in them that
-    wait for the GPU). The first call's own start is left out: it begins on an idle GPU, where
-    the host's time before its first launch shows as a gap that back-to-back calls hide."""
+    wait for the GPU). The calls start after a synchronize, so the first begins on an idle GPU:
+    the host's time between its first launches can show as a gap there (weighing 1 / `calls` in
+    the idle time, and named among the largest gaps), which the later calls hide."""
     fn()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

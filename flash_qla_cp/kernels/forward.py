@@ -292,8 +292,8 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
     names the backward plan that will follow: on first use its kernels compile together with the
     forward's, and so do those of the plans in `compile_with` (e.g. the fused layer's steps; or a
     function of that backward plan, None when not named, and the forward's `ForwardPlan`
-    returning them). output_norm: a gated
-    norm the fused walk may apply (see `OutputNorm`; `ForwardSaved.output_normed` tells).
+    returning them). output_norm: a gated norm the fused walk may apply (see `OutputNorm`;
+    `ForwardSaved.output_normed` tells).
     Returns (o [B, T, HV, V], final state fp32 or None, ForwardSaved)."""
     B, Tn, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]

@@ -171,7 +171,6 @@ def test_packed_fused_forward_makes_no_blocking_read_back():
     assert torch.equal(again, want) and rel_err(out.detach(), want) < 1e-3
 
 
-
 def test_a_packed_call_refuses_cuda_graph_capture_even_with_its_offsets_kept():
     """After a call has kept cu_seqlens' host copy, a capture of the same call would no longer
     fail on the read-back: the layer refuses it itself (a replay would keep the captured plan)."""
@@ -185,6 +184,7 @@ def test_a_packed_call_refuses_cuda_graph_capture_even_with_its_offsets_kept():
     with pytest.raises(ValueError, match="cannot be captured in a CUDA graph"):
         with torch.no_grad(), torch.cuda.graph(graph):
             m(x, cu_seqlens=cu)
+
 
 def test_training_shaped_layer_split_inside_packed_sequences_within_limits():
     """The training recipe's layer (hidden 1024, 8 / 16 heads) on two packed sequences long enough
