@@ -87,9 +87,8 @@ def layer_specs(H: int, HV: int, K: int, V: int, dtype: str, layout: str, conv_s
     walks = {plan.fused: None for count in WALK_COUNTS
              for plan in forward_plans(H, HV, K, V, dtype, sms, count, saves=(False,), gated_norm=norm)
              if plan.applies_norm}
-    # the inputs step's backward reads dq, dk summed, or as the op's per-v-head parts (GVA); after
-    # an op that kept its chunk states it re-forms the op's inputs without v
-    inputs = [*plan_layer_inputs(lay, conv_size, dtype, allow_neg_eigval, recompute_without_v=True).specs()]
+    # the inputs step's backward reads dq, dk summed, or as the op's per-v-head parts (GVA)
+    inputs = [*plan_layer_inputs(lay, conv_size, dtype, allow_neg_eigval).specs()]
     if HV > H:
         inputs.append(plan_layer_inputs(lay, conv_size, dtype, allow_neg_eigval, HV // H).backward)
     return [*inputs, *plan_gated_norm(lay, dtype, norm_eps).specs(), *walks]

@@ -37,25 +37,20 @@ NORM_BWD_BLOCKS_PER_SM = 5
 
 @dataclass(frozen=True)
 class StepPlan:
-    """A layer step's forward and backward kernel, and the forward the backward re-runs where it
-    differs from the forward (the inputs step's without v, after an op that kept its states)."""
+    """A layer step's forward and backward kernel."""
 
     forward: KernelSpec
     backward: KernelSpec
-    recompute: KernelSpec | None = None
 
     def specs(self) -> tuple:
-        return (self.forward, self.backward) + ((self.recompute,) if self.recompute is not None else ())
+        return (self.forward, self.backward)
 
 
 @functools.lru_cache(maxsize=None)
-def plan_layer_inputs(layout, conv_size: int, dtype: str, allow_neg_eigval: bool, grad_parts: int = 1,
-                      recompute_without_v: bool = False) -> StepPlan:
+def plan_layer_inputs(layout, conv_size: int, dtype: str, allow_neg_eigval: bool, grad_parts: int = 1) -> StepPlan:
     """conv + SiLU, l2 norm and gates for a projection layout (`reference.layer_steps.ProjectionLayout`).
     grad_parts: how many per-v-head parts of dq and dk the backward kernel reads and sums (1: dq
-    and dk summed already; the qk-heads' group size where the op's backward leaves them as parts).
-    recompute_without_v: the backward re-forms q, k, g, beta only (the op kept its chunk states,
-    so its backward reads no v)."""
+    and dk summed already; the qk-heads' group size where the op's backward leaves them as parts)."""
     lay = {f.name: getattr(layout, f.name) for f in fields(layout) if not f.name.startswith("z_")}
     params = dict(H=lay.pop("num_heads"), HV=lay.pop("num_v_heads"), dk=lay.pop("head_k_dim"),
                   dv=lay.pop("head_v_dim"), conv_size=conv_size, dtype=tl_dtype(dtype),
@@ -66,8 +61,7 @@ def plan_layer_inputs(layout, conv_size: int, dtype: str, allow_neg_eigval: bool
     return StepPlan(forward,
                     KernelSpec.of(build_layer_inputs_bwd_kernel, block_tokens=INPUTS_BWD_BLOCK_TOKENS,
                                   blocks_per_sm=INPUTS_BLOCKS_PER_SM, **params,
-                                  z_offset=layout.z_offset, z_head_stride=layout.z_head_stride, **parts),
-                    forward.replace(with_v=False) if recompute_without_v else None)
+                                  z_offset=layout.z_offset, z_head_stride=layout.z_head_stride, **parts))
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,12 +83,10 @@ class ForwardSteps:
         return tuple(p.forward for p in self.plans)
 
 
-def layer_plans(layout, conv_size: int, dtype, allow_neg_eigval: bool, norm_eps: float, grad_parts: int = 1,
-                recompute_without_v: bool = False) -> tuple:
+def layer_plans(layout, conv_size: int, dtype, allow_neg_eigval: bool, norm_eps: float, grad_parts: int = 1) -> tuple:
     """Both steps' plans: what a layer's first call compiles together, with the op's kernels where
     it can (`modules/fused_mixer.py`), or on their own (`compile_layer`)."""
-    return (plan_layer_inputs(layout, conv_size, tl_dtype(dtype), bool(allow_neg_eigval), grad_parts,
-                              recompute_without_v),
+    return (plan_layer_inputs(layout, conv_size, tl_dtype(dtype), bool(allow_neg_eigval), grad_parts),
             plan_gated_norm(layout, tl_dtype(dtype), norm_eps))
 
 
@@ -107,11 +99,10 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return kernel_operand(t.float())
 
 
-def inputs_plan(P, layout, conv_weight, allow_neg_eigval, grad_parts=1, recompute_without_v=False):
+def inputs_plan(P, layout, conv_weight, allow_neg_eigval, grad_parts=1):
     """The inputs step's plan for projection rows P. (A step compiles the kernel it launches on
     first use, unless its plan was compiled ahead.)"""
-    return plan_layer_inputs(layout, conv_weight.shape[-1], tl_dtype(P.dtype), bool(allow_neg_eigval), grad_parts,
-                             recompute_without_v)
+    return plan_layer_inputs(layout, conv_weight.shape[-1], tl_dtype(P.dtype), bool(allow_neg_eigval), grad_parts)
 
 
 def _history(P, conv_weight, history):
@@ -128,21 +119,20 @@ def _tuned(spec: KernelSpec, tuning: dict | None) -> KernelSpec:
 
 
 def op_inputs_forward(P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False, history=None,
-                      with_v=True, tuning=None):
+                      tuning=None):
     """As `reference.layer_steps.op_inputs_forward` (P [NT, width] bf16 / fp16)."""
-    plan = inputs_plan(P, layout, conv_weight, allow_neg_eigval, recompute_without_v=not with_v)
-    spec = plan.forward if with_v else plan.recompute
+    spec = inputs_plan(P, layout, conv_weight, allow_neg_eigval).forward
     NT, H, HV = P.shape[0], layout.num_heads, layout.num_v_heads
     q = P.new_empty(NT, H, layout.head_k_dim)
     k = P.new_empty(NT, H, layout.head_k_dim)
-    v = P.new_empty(NT if with_v else 1, HV, layout.head_v_dim)  # (without v: a placeholder, not written)
+    v = P.new_empty(NT, HV, layout.head_v_dim)
     g = P.new_empty(NT, HV, dtype=torch.float32)
     beta = P.new_empty(NT, HV, dtype=torch.float32)
     runtime.compile_kernel(_tuned(spec, tuning))(
         kernel_operand(P), _history(P, conv_weight, history), _fp32(conv_weight.reshape(conv_weight.shape[0], -1)),
         kernel_operand(positions),
         _fp32(A_log), _fp32(dt_bias), q, k, v, g, beta)
-    return q, k, v if with_v else None, g, beta
+    return q, k, v, g, beta
 
 
 def op_inputs_backward(dq, dk, dv, dg, dbeta, dz, P, layout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval,

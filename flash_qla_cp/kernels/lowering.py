@@ -107,11 +107,11 @@ def _backward_plans():
 def _layer_plans():
     """(tag, StepPlan): the layer's steps for both projection layouts, equal and mixed head dims
     (one set of buffers or two), both dtypes, beta in (0, 1) and (0, 2); the inputs step's
-    backward reading dq, dk summed and as per-v-head parts; its forward without v."""
+    backward reading dq, dk summed and as per-v-head parts."""
     for tag, layout, dtype, neg in (("qwen3_next_k128", ProjectionLayout.qwen3_next(2, 4, 128, 128), "bfloat16", False),
                                     ("qwen3_5_k64v128", ProjectionLayout.qwen3_5(2, 4, 64, 128), "float16", True)):
         yield tag, plan_layer_inputs(layout, 4, dtype, neg)
-        yield f"{tag}_v_head_parts", plan_layer_inputs(layout, 4, dtype, neg, grad_parts=2, recompute_without_v=True)
+        yield f"{tag}_v_head_parts", plan_layer_inputs(layout, 4, dtype, neg, grad_parts=2)
         yield tag, plan_gated_norm(layout, dtype, 1e-6)
 
 
@@ -155,7 +155,6 @@ def _case(tag: str, spec: KernelSpec) -> LoweringCase:
         expect += ("wgmma_rs", "AllReduce")  # P from registers; the norm's row sums
     name = spec.name.removeprefix("build_").removesuffix("_kernel")
     name += "_limited" if p.get("limit_chunks") else "_reverse" if p.get("reverse") else ""
-    name += "_without_v" if p.get("with_v") is False else ""
     name += "_normed" if p.get("gated_norm") else ""
     return LoweringCase(f"{name}[{tag}]", spec, entry, expect)
 

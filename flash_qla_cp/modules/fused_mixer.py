@@ -10,10 +10,12 @@ between the projection and the kernels; the backward writes every column of one 
 after the op's backward (the inputs step's backward also copies the gated norm's dz into its z
 columns), so that dP is not held through the op's backward.
 
-Memory: the node keeps P, o and the parameters; the backward recomputes q, k, g, beta (and v,
-unless the op kept its chunk states: its backward then reads no v) from P instead of holding them
-from the forward; it takes dq, dk as the op's backward leaves them (per-v-head parts under GVA),
-summed by the inputs step's kernel.
+Memory: the node keeps P, o and the parameters, and with save_states (the default) the op's
+inputs q, k, g, beta (v too where the op's backward reads it: not after a TileLang forward that
+kept its chunk states) beside the op's kept chunk states; without save_states the backward
+re-forms them from P. At Qwen3-Next's 32k tokens q and k are 256 MiB, an inputs step of ~0.29 ms
+(H100) when re-formed; the backward's peak holds them either way. The backward takes dq, dk as
+the op's backward leaves them (per-v-head parts under GVA), summed by the inputs step's kernel.
 
 Steps: the Hopper kernels (`kernels/layer.py`) on the TileLang backend, their torch forms
 (`reference/layer_steps.py`) on the torch backend or where the kernels do not reach (a conv wider
@@ -77,21 +79,17 @@ def _steps(config: MixerConfig, conv_size: int = 0):
     return kernel_steps if config.backend == "tilelang" and kernels_reach else torch_steps
 
 
-def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, training: bool, backward_plan, forward_plan=None,
-                       reruns: bool = False) -> tuple:
+def _kernel_step_plans(config: MixerConfig, conv_size: int, dtype, training: bool, backward_plan,
+                       forward_plan=None) -> tuple:
     """The layer steps' kernel plans for the op's backward plan (None where the forward does not
     know it); their forward kernels alone where no backward follows (not training), without the
-    gated norm's where the op's forward walk (`forward_plan`) applies it. reruns: the op's
-    backward runs its forward again (a compiled call), which needs v re-formed."""
+    gated norm's where the op's forward walk (`forward_plan`) applies it."""
     lay = config.layout
     # the inputs step's backward reads dq, dk as the op's backward leaves them: per-v-head parts
     # where its kernels write them so (GVA, the fused walk: assumed where the plan is not known)
     writes_parts = backward_plan is None or backward_plan.v_head_parts
     parts = lay.num_v_heads // lay.num_heads if writes_parts else 1
-    # after a forward that keeps its chunk states the backward re-forms the op's inputs without v
-    states_kept = backward_plan is not None and backward_plan.h_walk is None and not reruns
-    plans = kernel_steps.layer_plans(lay, conv_size, dtype, config.allow_neg_eigval, config.norm_eps, parts,
-                                     states_kept)
+    plans = kernel_steps.layer_plans(lay, conv_size, dtype, config.allow_neg_eigval, config.norm_eps, parts)
     if training:
         return plans
     if forward_plan is not None and forward_plan.applies_norm:
@@ -148,7 +146,7 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
     lay = config.layout
     steps = _steps(config, conv_weight.shape[-1])
     # on the first call the op compiles the steps' kernels with its own
-    step_plans = (partial(_kernel_step_plans, config, conv_weight.shape[-1], P.dtype, training, reruns=backward_reruns)
+    step_plans = (partial(_kernel_step_plans, config, conv_weight.shape[-1], P.dtype, training)
                   if steps is kernel_steps else ())
     norm = None
     if steps is kernel_steps and not training:
@@ -174,8 +172,10 @@ def _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seql
         y = o
     else:
         y = steps.gated_norm_forward(o.view(B * T, lay.num_v_heads, -1), rows, lay, norm_weight, config.norm_eps)
-    # the op's inputs are recomputed from P in the backward (identical values), not kept
-    gdn = replace(gdn, q=None, k=None, v=None, g=None, beta=None, initial_state=None)
+    if training and config.save_states:  # kept for the backward, with the chunk states (v where it reads v)
+        gdn = replace(gdn, v=gdn.v if backward_reads_v(gdn) else None, initial_state=None)
+    else:  # recomputed from P in the backward (identical values)
+        gdn = replace(gdn, q=None, k=None, v=None, g=None, beta=None, initial_state=None)
     return y.view(B, T, -1), o, gdn, positions, final
 
 
@@ -188,15 +188,16 @@ def _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state,
     rows = P.view(B * T, width)
     do, dz, dnorm_weight = steps.gated_norm_backward(dy.reshape(B * T, -1), o.view(B * T, lay.num_v_heads, -1), rows,
                                                      lay, norm_weight, config.norm_eps)
-    with_v = backward_reads_v(gdn)  # (not after a TileLang forward that kept its chunk states)
-    q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
-                                               config.allow_neg_eigval, with_v=with_v)
-    gdn = replace(gdn, q=q.view(B, T, lay.num_heads, -1), k=k.view(B, T, lay.num_heads, -1),
-                  v=v.view(B, T, lay.num_v_heads, -1) if with_v else None, g=g.view(B, T, -1),
-                  beta=beta.view(B, T, -1), initial_state=initial_state)
+    if gdn.q is None:  # not kept by the forward (nor its chunk states): re-formed from P
+        q, k, v, g, beta = steps.op_inputs_forward(rows, lay, conv_weight, A_log, dt_bias, positions,
+                                                   config.allow_neg_eigval)
+        gdn = replace(gdn, q=q.view(B, T, lay.num_heads, -1), k=k.view(B, T, lay.num_heads, -1),
+                      v=v.view(B, T, lay.num_v_heads, -1), g=g.view(B, T, -1), beta=beta.view(B, T, -1))
+        del q, k, v, g, beta
+    gdn = replace(gdn, initial_state=initial_state)
     # dq, dk may come as per-v-head parts (GDNContext.v_head_parts), summed by the inputs step
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(do.view(B, T, lay.num_v_heads, -1), None, gdn)
-    del q, k, v, g, beta, gdn, do
+    del gdn, do
     # dP (P's size) is allocated only now, after the op's backward and its buffers: holding it
     # through them would set the layer's peak memory; dz (a third of it) waits instead, and the
     # inputs step writes it into dP's z columns
@@ -216,16 +217,16 @@ class FusedMixer(torch.autograd.Function):
         y, o, gdn, positions, _ = _forward(P, conv_weight, A_log, dt_bias, norm_weight, initial_state, cu_seqlens,
                                            config, cu_seqlens_cpu)
         ctx.config = config
-        # the op's kept chunk states saved the autograd way too (activation checkpointing drops them)
-        skeleton, kept = take_tensors(gdn.kernel_saved)
-        ctx.gdn = replace(gdn, kernel_saved=skeleton)
+        # what the op's context keeps (its inputs, chunk states) saved the autograd way too
+        # (activation checkpointing drops them)
+        ctx.gdn, kept = take_tensors(gdn)
         ctx.save_for_backward(P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions, *kept)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions, *kept = ctx.saved_tensors
-        gdn = replace(ctx.gdn, kernel_saved=put_tensors(ctx.gdn.kernel_saved, kept))
+        gdn = put_tensors(ctx.gdn, kept)
         grads = _backward(dy, P, conv_weight, A_log, dt_bias, norm_weight, o, initial_state, positions, gdn,
                           ctx.config)
         return (*grads, None, None, None)

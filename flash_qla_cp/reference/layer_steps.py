@@ -212,8 +212,8 @@ def _gate_inputs(P, layout, dtype):
 
 
 def op_inputs_forward(P, layout: ProjectionLayout, conv_weight, A_log, dt_bias, positions, allow_neg_eigval=False,
-                      history=None, with_v=True):
-    """P [NT, width] -> q, k [NT, H, dk] (l2-normalised), v [NT, HV, dv] (None unless with_v) in P's
+                      history=None):
+    """P [NT, width] -> q, k [NT, H, dk] (l2-normalised), v [NT, HV, dv] in P's
     dtype; g, beta [NT, HV] in the compute dtype (fp32, or float64 for float64 P)."""
     dtype = compute_dtype(P)
     NT = P.shape[0]
@@ -225,7 +225,7 @@ def op_inputs_forward(P, layout: ProjectionLayout, conv_weight, A_log, dt_bias, 
     _, _, a, b = _gate_inputs(P, layout, dtype)
     g = -A_log.to(dtype).exp() * F.softplus(a + dt_bias.to(dtype))
     beta = torch.sigmoid(b) * _beta_scale(allow_neg_eigval)
-    return q.to(P.dtype), k.to(P.dtype), v.to(P.dtype) if with_v else None, g, beta
+    return q.to(P.dtype), k.to(P.dtype), v.to(P.dtype), g, beta
 
 
 def _beta_scale(allow_neg_eigval) -> float:

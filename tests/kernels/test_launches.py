@@ -236,8 +236,8 @@ def test_unsplit_recompute_launches_match_their_signatures(with_h0):
 @pytest.mark.parametrize("proj_layout", ["qwen3_next", "qwen3_5"])
 def test_fused_layer_launches_its_step_kernels_around_the_op(proj_layout):
     """The fused layer on the TileLang path: conv/l2norm/gates kernel, the op's kernels, the gated
-    norm; in the backward the norm's, the recomputed inputs, the op's, the inputs' backward; every
-    launch with its kernel's signature."""
+    norm; in the backward the norm's, the op's (on the inputs the forward kept), the inputs'
+    backward; every launch with its kernel's signature."""
     from flash_qla_cp import GatedDeltaNet
     from flash_qla_cp.modules import fused_mixer
 
@@ -256,7 +256,7 @@ def test_fused_layer_launches_its_step_kernels_around_the_op(proj_layout):
     names = launches.names()
     layer = [n for n in names if "layer_inputs" in n or "gated_norm" in n]
     assert layer == ["build_layer_inputs_kernel", "build_gated_norm_kernel", "build_gated_norm_bwd_kernel",
-                     "build_layer_inputs_kernel", "build_layer_inputs_bwd_kernel"]
+                     "build_layer_inputs_bwd_kernel"]
     assert names[0] == "build_layer_inputs_kernel" and names[-1] == "build_layer_inputs_bwd_kernel"
     assert len(names) > len(layer)  # the op's own kernels in between
     assert_launches_match_signatures(launches)
@@ -726,8 +726,9 @@ def test_fused_layer_under_a_cp_context_launches_match_their_kernels():
 def test_fused_layer_backward_reads_what_the_op_leaves(lengths, save_states):
     """GVA: where the op's backward writes dq, dk once per v-head (the fused walk), the fused
     layer's inputs kernel reads those parts and sums them (no v-head sum launch, no summed dq / dk
-    buffers); where the grad kernel writes them summed, it reads them so. The backward re-forms
-    the op's inputs without v where the op kept its chunk states (its backward runs no h walk)."""
+    buffers); where the grad kernel writes them summed, it reads them so. With save_states the
+    forward keeps the op's inputs with its chunk states (the backward runs no h walk and forms no
+    inputs); without, the backward re-forms them."""
     from flash_qla_cp import GatedDeltaNet
 
     m = GatedDeltaNet(256, 2, 4, 128, 128, intra_cp="auto", save_states=save_states).to(torch.bfloat16)
@@ -744,7 +745,7 @@ def test_fused_layer_backward_reads_what_the_op_leaves(lengths, save_states):
     h_walk = any(n in names for n in ("build_bwd_h_kernel", "build_bwd_h_ws_kernel"))
     assert h_walk == (not save_states)
     inputs = [spec for spec, _ in launches.calls if spec.name == "build_layer_inputs_kernel"]
-    assert [s.kwargs.get("with_v", True) for s in inputs] == [True, h_walk]
+    assert len(inputs) == (1 if save_states else 2)
     assert_launches_match_signatures(launches)
 
 

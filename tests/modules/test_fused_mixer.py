@@ -2,10 +2,14 @@
 against the layer's step-by-step path (torch autograd through conv, l2 norm, gates and norm), in
 float64: outputs and every gradient."""
 
+import collections
+from unittest import mock
+
 import pytest
 import torch
 
 from flash_qla_cp import GatedDeltaNet
+from flash_qla_cp.reference import layer_steps as torch_steps
 from flash_qla_cp.reference.layer_steps import ProjectionLayout, token_positions
 from flash_qla_cp.testing import random_cu_seqlens, rel_err
 
@@ -162,17 +166,33 @@ def test_fused_layer_forms_positions_once_for_repeated_calls(monkeypatch):
     assert len(formed) == 1
 
 
-def test_fused_layer_keeps_no_op_inputs_between_forward_and_backward():
-    """q, k, v, g, beta are recomputed in the backward: the saved tensors are P, o, the parameters,
-    the initial state and the token positions."""
+@pytest.mark.parametrize("save_states", [True, False])
+def test_fused_layer_keeps_the_op_inputs_for_the_backward_only_with_save_states(save_states):
+    """save_states (the default): q, k, g, beta (and v, which the torch backend's backward reads)
+    are saved for the backward, the autograd way (activation checkpointing drops them), and the
+    backward forms no op inputs; without it the saved tensors are P, o, the parameters, the initial
+    state and the token positions, and the backward re-forms them from P. Gradients are equal."""
     m = _layer("qwen3_next", False)
+    m.save_states = save_states
     x = torch.randn(1, 40, D, dtype=torch.float64, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        m(x)
-    C = 2 * 2 * 8 + 4 * 16
-    # x (by the projection and out_proj's input); P; o; conv weight etc.: no [1, 40, C]-sized op inputs
-    assert (1, 40, C) not in saved and (40, 2, 8) not in saved and (1, 40, 2, 8) not in saved
+        y = m(x)
+    counts = collections.Counter(saved)
+    # q and k [1, 40, 2, 8]; g and beta [1, 40, 4]; v beside o [1, 40, 4, 16]
+    want = {(1, 40, 2, 8): 2, (1, 40, 4): 2, (1, 40, 4, 16): 2} if save_states else \
+        {(1, 40, 2, 8): 0, (1, 40, 4): 0, (1, 40, 4, 16): 1}
+    assert {shape: counts[shape] for shape in want} == want, saved
+    formed = []
+    real = torch_steps.op_inputs_forward
+    with mock.patch.object(torch_steps, "op_inputs_forward", lambda *a, **kw: formed.append(1) or real(*a, **kw)):
+        y.sum().backward()
+    assert formed == ([] if save_states else [1])
+    grad = x.grad.clone()
+    x.grad = None
+    m.save_states = not save_states
+    m(x).sum().backward()
+    assert torch.equal(x.grad, grad)
 
 
 def test_inference_keeps_nothing_for_a_backward(monkeypatch):

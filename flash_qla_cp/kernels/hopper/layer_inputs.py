@@ -52,15 +52,12 @@ def conv_macros(T, NT, conv_size: int, acc: str):
 def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_offset: int, q_head_stride: int,
                               k_offset: int, k_head_stride: int, v_offset: int, v_head_stride: int, b_offset: int,
                               b_head_stride: int, a_offset: int, a_head_stride: int, conv_size: int, dtype: str,
-                              allow_neg_eigval: bool, block_tokens: int = 64, with_v: bool = True,
-                              blocks_per_sm: int = 1):
+                              allow_neg_eigval: bool, block_tokens: int = 64, blocks_per_sm: int = 1):
     """PrimFunc `gdn_layer_inputs(P, history, weight, positions, A_log, dt_bias, q, k, v, g, beta)`:
     P [NT, width], history [conv_size - 1, C] dtype; weight [C, conv_size] fp32 (C = 2 H dk + HV dv,
     channels q, k, v); positions [NT] int32; A_log, dt_bias [HV] fp32 -> q, k [NT, H, dk], v [NT, HV, dv] dtype,
     g, beta [NT, HV] fp32. Grid (ceil(NT / block_tokens), 2 H + HV), 256 threads (blocks_per_sm > 1:
-    registers capped so that that many blocks fit an SM; `tools/tune_layer.py` times it). with_v=False:
-    no v (a backward whose op kept its chunk states reads none); v is a [1, HV, dv] placeholder,
-    and the v-head blocks form only the gates."""
+    registers capped so that that many blocks fit an SM; `tools/tune_layer.py` times it)."""
     _, T = import_tilelang()
     assert 2 <= conv_size <= WINDOW_ROWS, conv_size
     dtype = tl_dtype(dtype)
@@ -102,7 +99,7 @@ def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_o
         dt_bias: T.Tensor((HV,), acc),
         q: T.Tensor((NT, H, dk), dtype),
         k: T.Tensor((NT, H, dk), dtype),
-        v: T.Tensor((NT if with_v else 1, HV, dv), dtype),
+        v: T.Tensor((NT, HV, dv), dtype),
         g: T.Tensor((NT, HV), acc),
         beta: T.Tensor((NT, HV), acc),
     ):
@@ -116,7 +113,7 @@ def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_o
             yk_f = T.alloc_fragment((BT, dk), acc)
             sq_f = T.alloc_fragment((BT, dk), acc)
             ss_f = T.alloc_fragment((BT,), acc)
-            if dv == dk or not with_v:  # (one set of buffers serves q, k and v heads)
+            if dv == dk:  # (one set of buffers serves q, k and v heads)
                 xv_s, wv_s, yv_f = xk_s, wk_s, yk_f
             else:
                 xv_s = T.alloc_shared((BT + WINDOW_ROWS, dv), dtype)
@@ -135,12 +132,11 @@ def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_o
                 hv = slot - 2 * H
                 h = hv // r
                 j = hv % r
-                if with_v:
-                    conv_silu(P, history, weight, positions, t0, v_offset + h * v_head_stride + j * dv,
-                              2 * H * dk + hv * dv, dv, xv_s, wv_s, m_s, yv_f)
-                    for i, d in T.Parallel(BT, dv):
-                        if t0 + i < NT:
-                            v[t0 + i, hv, d] = T.cast(yv_f[i, d], dtype)
+                conv_silu(P, history, weight, positions, t0, v_offset + h * v_head_stride + j * dv,
+                          2 * H * dk + hv * dv, dv, xv_s, wv_s, m_s, yv_f)
+                for i, d in T.Parallel(BT, dv):
+                    if t0 + i < NT:
+                        v[t0 + i, hv, d] = T.cast(yv_f[i, d], dtype)
                 for i in T.Parallel(BT):
                     if t0 + i < NT:
                         pre = T.cast(P[t0 + i, a_offset + h * a_head_stride + j], acc) + dt_bias[hv]
