@@ -132,9 +132,10 @@ class GatedDeltaNet(nn.Module):
             partitions per sequence).
         proj_layout: 'qwen3_next' (grouped in_proj_qkvz / in_proj_ba) or 'qwen3_5' (separate
             in_proj_qkv / in_proj_z / in_proj_b / in_proj_a); the math is the same.
-        save_states: passed to `chunk_gated_delta_rule` (True: the TileLang forward keeps its
-            chunk states for the backward, faster; False: the backward recomputes them, less
-            memory held between forward and backward).
+        save_states: True: the forward keeps for the backward the op's inputs (q, k, g, beta, and
+            v where the op's backward reads it) and, on the TileLang backend, its chunk states
+            (`chunk_gated_delta_rule`'s save_states), faster; False: the backward recomputes them,
+            less memory held between forward and backward.
     """
 
     def __init__(
