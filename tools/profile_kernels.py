@@ -1,4 +1,5 @@
-"""Per-kernel GPU time of our forward and forward+backward (torch.profiler), to see where time goes.
+"""Per-kernel GPU time of our forward, training forward (inputs needing grad: what it keeps for the
+backward included) and forward+backward (torch.profiler), to see where time goes.
 
     python tools/profile_kernels.py --shapes tp8_1x32k --intra auto,off
     python tools/profile_kernels.py --shapes tp1_1x32k --lib flashqla   # the peer's kernels
@@ -105,13 +106,16 @@ def main():
                 with torch.no_grad():
                     op(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
 
+            def fwd_train():  # the forward a backward will follow: what it keeps for the backward included
+                op(*ins, cu_seqlens=cu)
+
             def fwdbwd():
                 o, _ = op(*ins, cu_seqlens=cu)
                 for t in ins:  # written, not accumulated (as bench_kernels.py)
                     t.grad = None
                 o.backward(do)
 
-            for name, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+            for name, fn in (("fwd", fwd), ("fwd_train", fwd_train), ("fwdbwd", fwdbwd)):
                 rows = kernel_times(fn, args.iters)
                 wall, host, waits, top = host_times(fn, args.iters)
                 entry = {"shape": sname, "lib": args.lib, "intra": str(intra), "pass": name,
