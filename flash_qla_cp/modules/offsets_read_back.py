@@ -24,6 +24,9 @@ import torch
 
 # tensors whose copies are kept: a step's offsets, with room for a few alternating batches
 _KEPT = 4
+# (tensor id, version) -> (weak reference to the tensor, its read-back), oldest first
+_recent: collections.OrderedDict = collections.OrderedDict()
+_lock = threading.Lock()
 
 
 class OffsetsReadBack:
@@ -70,6 +73,3 @@ class OffsetsReadBack:
             self._event = None
         return self._host
 
-
-_lock = threading.Lock()
-_recent: collections.OrderedDict = collections.OrderedDict()
