@@ -22,7 +22,7 @@
 #   profile_layer  tools/profile_layer.py: per-kernel time of the layer, ours and FLA's (LAYER_SHAPES, LIBS;
 #              PROFILE_ARGS=--compile: under torch.compile)
 #   host_timeline  tools/host_timeline.py (SHAPE, PASSES, TIMELINE_ARGS e.g. --profile)
-#   ncu        ncu stall samples of one kernel (NCU_KERNEL, SHAPE, NCU_NAME), read with tools/ncu_stalls.py
+#   ncu        ncu stall samples of one kernel (NCU_KERNEL, SHAPE, INTRA, NCU_NAME), read with tools/ncu_stalls.py
 #   long_seq   the long-sequence training ladder with activation checkpointing (SEQ_LENS, STEPS; CKPT=0 without)
 #   cold_start benchmarks/bench_cold_start.py (COLD_ARGS, e.g. --no-precompile)
 #   compile_times  tools/compile_times.py --first-call on SHAPE (a bench_layer shape), into an empty cache
@@ -78,7 +78,7 @@ for phase in "$@"; do
     ncu)  # per-instruction stall samples of one kernel (NCU_KERNEL) on one shape's fwd+bwd
       timeout 400 /usr/local/cuda/bin/ncu --section SpeedOfLight --section SourceCounters --section WarpStateStats \
         --import-source no -k "regex:${NCU_KERNEL:-gdn_bwd_fused_ws}" --launch-skip 1 --launch-count 1 -f -o "$OUT/${NCU_NAME:-ncu}" \
-        python tools/profile_kernels.py --shapes "${SHAPE:-tp1_1x32k}" --iters 2 --out "$OUT/ncu_profile" 2>&1 | tail -4
+        python tools/profile_kernels.py --shapes "${SHAPE:-tp1_1x32k}" ${INTRA:+--intra "$INTRA"} --iters 2 --out "$OUT/ncu_profile" 2>&1 | tail -4
       /usr/local/cuda/bin/ncu -i "$OUT/${NCU_NAME:-ncu}.ncu-rep" --page details > "$OUT/${NCU_NAME:-ncu}_details.txt" 2>&1
       /usr/local/cuda/bin/ncu -i "$OUT/${NCU_NAME:-ncu}.ncu-rep" --page source --print-source sass --csv 2>/dev/null | xz -9 > "$OUT/${NCU_NAME:-ncu}_sass.csv.xz"
       rm -f "$OUT/${NCU_NAME:-ncu}.ncu-rep"; grep -E "Duration|Registers Per|Issue Slots Busy|No Eligible" "$OUT/${NCU_NAME:-ncu}_details.txt" ;;
