@@ -1,5 +1,5 @@
 """Where a warp-specialised kernel's warps wait: per-instruction stall samples from ncu, summed
-per warp role and per kind of instruction.
+per warp role, per kind of instruction and per ncu stall reason.
 
     python tools/ncu_stalls.py ncu_sass.csv[.xz] [--top 20]
 
@@ -74,6 +74,14 @@ def segments(rows, kinds, col, total):
     return out
 
 
+def reasons(rows, reason_cols, shown=6):
+    """The region's stall samples by ncu's reason (stall_barrier: block-wide barriers, stall_long_sb:
+    waiting for global memory, stall_wait: fixed latencies, ...), the largest first."""
+    sums = Counter({c.removeprefix("stall_"): sum(number(r[c]) for r in rows) for c in reason_cols})
+    region = sum(sums.values()) or 1.0
+    return ", ".join(f"{name} {100 * v / region:.0f}%" for name, v in sums.most_common(shown) if v)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv_path")
@@ -84,6 +92,7 @@ def main():
     rows = read_rows(args.csv_path)
     cols = list(rows[0].keys())
     sample_col = next(c for c in cols if "Warp Stall Sampling (All" in c)
+    reason_cols = [c for c in cols if c.startswith("stall_") and "Not Issued" not in c]
     region, per_region = 0, defaultdict(list)
     for row in rows:
         if "USETMAXREG" in row["Source"]:
@@ -99,6 +108,7 @@ def main():
             kinds[kind] += number(r[sample_col])
         print(f"\n== region {reg}: {len(rs)} instructions, {100 * samples / total:.1f}% of samples")
         print("   by kind: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in kinds.most_common() if v))
+        print("   by reason (% of the region): " + reasons(rs, reason_cols))
         top = sorted(range(len(rs)), key=lambda i: -number(rs[i][sample_col]))[: args.top]
         for i in sorted(top):
             r = rs[i]
