@@ -6,8 +6,10 @@ UT matrix Ag that every later kernel reads.
     M      = (I + Lm)^-1                                              (unit lower triangular)
     Ag_ij  = M_ij exp(G_i - G_j) beta_j    for j <= i < L, else 0
 
-The inverse: 16 x 16 diagonal blocks by column-wise substitution, then the nilpotent block
-series M = D - E (D - E (D - E D)), E = D N, with tensor-core MMAs in `inv_dtype`.
+The inverse: 16 x 16 diagonal blocks D by column-wise substitution, then with N the strictly
+block-lower part and F = N D (nilpotent of order 4) the series M = D (I - F + F^2 - F^3) =
+D (I - (I - (I - F) F) F), with tensor-core MMAs in `inv_dtype`: the partial products stay in
+registers as the next MMA's A operand, so only F and the last factor pass through shared memory.
 """
 
 # (no `from __future__ import annotations`: TileLang evaluates the kernel signatures)
@@ -45,6 +47,8 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
         d_s = T.alloc_shared((C, C), inv_dtype)  # inverse of the block-diagonal part
         z_s = T.alloc_shared((C, C), inv_dtype)
         z_f = T.alloc_fragment((C, C), acc)
+        w_f = T.alloc_fragment((C, C), acc)  # I - (...) F, fp32
+        w_a = T.alloc_fragment((C, C), inv_dtype)  # the same as an MMA's register A operand
         out_s = T.alloc_shared((C, C), dtype)
         col = T.alloc_local((16,), acc)
         run = T.alloc_local((1,), acc)
@@ -109,25 +113,24 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
             if i // 16 == j // 16:
                 n_s[i, j] = T.cast(0, inv_dtype)
 
-        # (I + Lm)^-1 = (I + E)^-1 D with E = D N nilpotent of order 4:
-        # M = D - E (D - E (D - E D)).
-        T.gemm(d_s, n_s, z_f, clear_accum=True)
-        T.copy(z_f, n_s)  # n_s now holds E
+        # (I + Lm)^-1 = D (I + F)^-1 with F = N D: M = D w, w = I - (I - (I - F) F) F
         T.gemm(n_s, d_s, z_f, clear_accum=True)
-        # z = D - E (...) in registers, then stored by itself (rounded to inv_dtype by the copy)
+        T.copy(z_f, n_s)  # n_s now holds F (the B operand of the next two MMAs)
+        for _ in T.serial(2):
+            # w = I - (previous) F, rounded to inv_dtype by the copy into the A operand
+            for i, j in T.Parallel(C, C):
+                w_f[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0)) - z_f[i, j]
+            T.copy(w_f, w_a)
+            T.gemm(w_a, n_s, z_f, clear_accum=True)
         for i, j in T.Parallel(C, C):
-            z_f[i, j] = T.cast(d_s[i, j], acc) - z_f[i, j]
-        T.copy(z_f, z_s)
-        T.gemm(n_s, z_s, z_f, clear_accum=True)
-        for i, j in T.Parallel(C, C):
-            z_f[i, j] = T.cast(d_s[i, j], acc) - z_f[i, j]
-        T.copy(z_f, z_s)
-        T.gemm(n_s, z_s, z_f, clear_accum=True)
+            w_f[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0)) - z_f[i, j]
+        T.copy(w_f, z_s)
+        T.gemm(d_s, z_s, z_f, clear_accum=True)
         # Gated for every entry, then masked in a loop without loads. No clamp of the exponent:
         # entries above the diagonal may overflow to inf / NaN, but the select discards them
         # (a clamp could change valid entries wherever the cumsum is not exactly monotone).
         for i, j in T.Parallel(C, C):
-            z_f[i, j] = (T.cast(d_s[i, j], acc) - z_f[i, j]) * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j]
+            z_f[i, j] = z_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j]
         for i, j in T.Parallel(C, C):
             z_f[i, j] = T.if_then_else((i >= j) and (i < L) and (j < L), z_f[i, j], T.float32(0))
         T.copy(z_f, out_s)
