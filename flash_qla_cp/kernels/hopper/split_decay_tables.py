@@ -34,6 +34,11 @@ def build_decay_tables_kernel(HV: int, threshold: float):
     f64 = "float64"
     limit = T.float64(threshold)
 
+    def chunk_decay(g_cum, t0, length, h, c, present):
+        # chunk c's decay (g_cum at its last row, clamped to <= 0) in float64; 0 where not present
+        return T.if_then_else(
+            present, T.Cast(f64, T.min(g_cum[0, t0 + T.min((c + 1) * CHUNK, length) - 1, h], 0.0)), T.float64(0))
+
     @T.prim_func
     def gdn_decay_tables(
         g_cum: T.Tensor((1, TT, HV), "float32"),
@@ -71,12 +76,8 @@ def build_decay_tables_kernel(HV: int, threshold: float):
                     i = b * LANES + lane
                     c_head = T.min(i, n - 1)  # lanes past the partition read its last chunk, then add 0
                     c_tail = T.max(n - 1 - i, 0)
-                    head_s[lane] = T.if_then_else(
-                        i < n, T.Cast(f64, T.min(g_cum[0, t0 + T.min((c_head + 1) * CHUNK, length) - 1, h], 0.0)),
-                        T.float64(0))
-                    tail_s[lane] = T.if_then_else(
-                        i < n, T.Cast(f64, T.min(g_cum[0, t0 + T.min((c_tail + 1) * CHUNK, length) - 1, h], 0.0)),
-                        T.float64(0))
+                    head_s[lane] = chunk_decay(g_cum, t0, length, h, c_head, i < n)
+                    tail_s[lane] = chunk_decay(g_cum, t0, length, h, c_tail, i < n)
                     T.sync_threads()
                     head_pre = head_sum
                     tail_pre = tail_sum
