@@ -33,11 +33,12 @@ from flash_qla_cp.testing import random_cu_seqlens, rel_err  # noqa: E402
 
 # kernel parameters each step is timed with (None: the plan's own, `kernels/layer.py`); the sizes
 # each kernel lowers for (the layer-inputs backward adds 16 look-ahead rows to its tile); register
-# caps (ptxas, sm_90a): the inputs kernels take 128 registers uncapped (blocks_per_sm 1: two blocks
-# of 256 threads per SM), 80 at 3 (the plans' cap) with no spills at these sizes; the norm backward
-# 112 uncapped (four blocks of 128 threads), 96 / 80 at 5 (the plan's) / 6 with 12 / 100 bytes spilled
+# caps (ptxas, sm_90a): the inputs backward takes 128 registers uncapped (blocks_per_sm 1: two blocks
+# of 256 threads per SM), 80 at 3 (the plan's cap) with no spills at these sizes; the inputs forward
+# (256 + 128 producer threads) 80 at 2 (the plan's), 168 at 1; the norm backward 112 uncapped (four
+# blocks of 128 threads), 96 / 80 at 5 (the plan's) / 6 with 12 / 100 bytes spilled
 VARIANTS = {
-    "inputs": (None, {"blocks_per_sm": 1}, {"block_tokens": 32}, {"block_tokens": 128}),
+    "inputs": (None, {"tiles": 16}, {"stages": 2}, {"stages": 4}, {"blocks_per_sm": 1}),
     "inputs_bwd": (None, {"blocks_per_sm": 1}, {"block_tokens": 16}, {"block_tokens": 48}, {"block_tokens": 64}),
     "norm": (None, {"block_tokens": 32}, {"block_tokens": 64}),
     "norm_bwd": (None, {"blocks_per_sm": 1}, {"block_tokens": 16}, {"blocks_per_sm": 6}),

@@ -22,14 +22,18 @@ from .hopper.layer_inputs_bwd import build_layer_inputs_bwd_kernel
 from .runtime import KernelSpec, kernel_operand
 
 MAX_CONV_SIZE = WINDOW_ROWS  # the conv window a block keeps
-# Block sizes and register caps (`tools/tune_layer.py`, H100, Qwen3-Next 1 x 32k, 2026-12-05).
-# The inputs kernels use 128 registers uncapped (two blocks of 256 threads per SM); capped for
-# three blocks (80 registers, no spills) the forward took 0.533 ms instead of 0.612 and the
-# backward 2.64 instead of 3.02. The norm forward: 16-token blocks 0.319 ms against 0.350 at 32.
-# The norm backward (112 registers uncapped): five blocks per SM (96 registers) 0.678 against 0.728.
+# Block sizes and register caps (`tools/tune_layer.py`, H100, Qwen3-Next, 2026-12-05 / -06).
+# The inputs backward uses 128 registers uncapped (two blocks of 256 threads per SM); capped for
+# three blocks (80 registers, no spills) it took 2.64 ms instead of 3.02. The inputs forward walks
+# 8 tiles of 64 tokens per block, 3 tiles in flight, two blocks per SM (80 registers, no spills):
+# 0.491 ms at 8 packed sequences in 32k, against 0.529 for one tile per block (three blocks per SM,
+# plain loads); 16 tiles 0.495, three blocks per SM 0.568 (56 registers, spills). The norm forward:
+# 16-token blocks 0.319 ms against 0.350 at 32. The norm backward (112 registers uncapped): five
+# blocks per SM (96 registers) 0.678 against 0.728.
 INPUTS_BLOCK_TOKENS = 64
+INPUTS_TILES, INPUTS_STAGES, INPUTS_BLOCKS_PER_SM = 8, 3, 2
 INPUTS_BWD_BLOCK_TOKENS = 32  # + 16 look-ahead tokens: 48-row tiles
-INPUTS_BLOCKS_PER_SM = 3
+INPUTS_BWD_BLOCKS_PER_SM = 3
 NORM_BLOCK_TOKENS = 16
 NORM_BWD_BLOCK_TOKENS = 32
 NORM_BWD_BLOCKS_PER_SM = 5
@@ -56,11 +60,11 @@ def plan_layer_inputs(layout, conv_size: int, dtype: str, allow_neg_eigval: bool
                   dv=lay.pop("head_v_dim"), conv_size=conv_size, dtype=tl_dtype(dtype),
                   allow_neg_eigval=bool(allow_neg_eigval), **lay)
     parts = dict(grad_parts=grad_parts) if grad_parts > 1 else {}
-    forward = KernelSpec.of(build_layer_inputs_kernel, block_tokens=INPUTS_BLOCK_TOKENS,
-                            blocks_per_sm=INPUTS_BLOCKS_PER_SM, **params)
+    forward = KernelSpec.of(build_layer_inputs_kernel, block_tokens=INPUTS_BLOCK_TOKENS, tiles=INPUTS_TILES,
+                            stages=INPUTS_STAGES, blocks_per_sm=INPUTS_BLOCKS_PER_SM, **params)
     return StepPlan(forward,
                     KernelSpec.of(build_layer_inputs_bwd_kernel, block_tokens=INPUTS_BWD_BLOCK_TOKENS,
-                                  blocks_per_sm=INPUTS_BLOCKS_PER_SM, **params,
+                                  blocks_per_sm=INPUTS_BWD_BLOCKS_PER_SM, **params,
                                   z_offset=layout.z_offset, z_head_stride=layout.z_head_stride, **parts))
 
 
