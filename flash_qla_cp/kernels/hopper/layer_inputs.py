@@ -8,7 +8,7 @@ into shared memory (TMA; plain loads where P's row stride is not a multiple of 1
 tiles ahead of the 256 threads that compute, so that reading P overlaps the arithmetic. A q or k
 head's whole vector is in the block for the l2 norm; a v-head block also forms that v-head's gates.
 Same arithmetic as `reference.layer_steps.op_inputs_forward` (fp32, rounded once when stored).
-The backward (`layer_inputs_bwd.py`) keeps one tile per block and the shared `conv_macros`.
+The backward (`layer_inputs_bwd.py`) keeps one tile per block.
 
 A tap t - s exists when positions[t] >= s (the token's index in its sequence): packed sequences
 and batch rows never see each other. Taps before the first token read `history` [K - 1, C], the
@@ -21,35 +21,7 @@ from .common import import_tilelang, tl_dtype
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_LINEAR_ABOVE = 20.0  # torch's softplus threshold: softplus(x) = x above it
-WINDOW_ROWS = 16  # rows kept for the conv window ahead of a tile (conv_size - 1 <= 15)
-
-
-def conv_macros(T, NT, conv_size: int, acc: str):
-    """The TileLang macros both layer-input kernels share: `load_window` reads a tile's conv inputs
-    (rows t0 - (K-1) .., from P or, before the first token, from `history`), its head's taps and
-    which taps exist; `conv` forms the pre-activation conv of `rows` tokens from them."""
-    K = conv_size
-    W = conv_size - 1
-
-    @T.macro
-    def load_window(P, history, weight, positions, t0, col, chan, D, rows, x_s, w_s, m_s):
-        for i, d in T.Parallel(rows + WINDOW_ROWS, D):
-            x_s[i, d] = T.if_then_else(t0 - W + i >= 0, P[T.max(T.min(t0 - W + i, NT - 1), 0), col + d],
-                                       history[T.max(t0 + i, 0) % W, chan + d])
-        for j, d in T.Parallel(K, D):
-            w_s[j, d] = weight[chan + d, j]
-        for e, j in T.Parallel(rows, K):  # tap j of token t0 + e exists
-            m_s[e, j] = T.if_then_else(positions[T.min(t0 + e, NT - 1)] >= W - j, T.float32(1), T.float32(0))
-
-    @T.macro
-    def conv(x_s, w_s, m_s, y_f, rows, D):
-        """y_f[e, d] = sum_j w[j, d] x[t0 + e - (W - j), d] over the taps that exist."""
-        T.clear(y_f)
-        for j in T.unroll(K):
-            for e, d in T.Parallel(rows, D):
-                y_f[e, d] += T.cast(x_s[e + j, d], acc) * w_s[j, d] * m_s[e, j]
-
-    return load_window, conv
+WINDOW_ROWS = 16  # the backward's conv window ahead of a tile (conv_size - 1 <= 15), and the limit of both
 
 
 def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_offset: int, q_head_stride: int,

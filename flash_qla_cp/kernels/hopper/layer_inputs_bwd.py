@@ -13,9 +13,37 @@ the first K - 1 tokens (dy_head), from which the host forms the gradient of the 
 """
 
 from .common import import_tilelang, tl_dtype
-from .layer_inputs import L2NORM_EPS, SOFTPLUS_LINEAR_ABOVE, WINDOW_ROWS, conv_macros
+from .layer_inputs import L2NORM_EPS, SOFTPLUS_LINEAR_ABOVE, WINDOW_ROWS
 
 LOOKAHEAD = 16  # tokens after a block's outputs whose dy the transposed conv reads (conv_size - 1 <= 15)
+
+
+def conv_macros(T, NT, conv_size: int, acc: str):
+    """The backward's conv steps: `load_window` reads a tile's conv inputs (rows t0 - (K-1) ..,
+    from P or, before the first token, from `history`), its head's taps and which taps exist;
+    `conv` forms the pre-activation conv of `rows` tokens from them."""
+    K = conv_size
+    W = conv_size - 1
+
+    @T.macro
+    def load_window(P, history, weight, positions, t0, col, chan, D, rows, x_s, w_s, m_s):
+        for i, d in T.Parallel(rows + WINDOW_ROWS, D):
+            x_s[i, d] = T.if_then_else(t0 - W + i >= 0, P[T.max(T.min(t0 - W + i, NT - 1), 0), col + d],
+                                       history[T.max(t0 + i, 0) % W, chan + d])
+        for j, d in T.Parallel(K, D):
+            w_s[j, d] = weight[chan + d, j]
+        for e, j in T.Parallel(rows, K):  # tap j of token t0 + e exists
+            m_s[e, j] = T.if_then_else(positions[T.min(t0 + e, NT - 1)] >= W - j, T.float32(1), T.float32(0))
+
+    @T.macro
+    def conv(x_s, w_s, m_s, y_f, rows, D):
+        """y_f[e, d] = sum_j w[j, d] x[t0 + e - (W - j), d] over the taps that exist."""
+        T.clear(y_f)
+        for j in T.unroll(K):
+            for e, d in T.Parallel(rows, D):
+                y_f[e, d] += T.cast(x_s[e + j, d], acc) * w_s[j, d] * m_s[e, j]
+
+    return load_window, conv
 
 
 def build_layer_inputs_bwd_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_offset: int, q_head_stride: int,
