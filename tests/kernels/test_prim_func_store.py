@@ -15,8 +15,12 @@ SPEC = KernelSpec.of(build_prepare_kernel, H=2, HV=4, K=64, dtype="bfloat16", is
 
 @pytest.fixture
 def builds(tmp_path, monkeypatch):
-    """A fresh store (TileLang's cache directory in tmp_path); counts the builders' runs."""
+    """A fresh store (TileLang's cache directory in tmp_path, also where TileLang was imported
+    before, having read the variable then); counts the builders' runs."""
+    import tilelang
+
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tilelang.env, "TILELANG_CACHE_DIR", str(tmp_path))
     count = []
     real = KernelSpec.build
     monkeypatch.setattr(KernelSpec, "build", lambda self: count.append(self) or real(self))
