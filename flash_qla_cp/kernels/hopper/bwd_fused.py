@@ -9,18 +9,23 @@ states h and vres come from the h walk. The work of a chunk is shared by three w
 
 * state (threads 0-127): dS [K, V] fp32 in registers and the chain that needs it: publish dS'
   (bf16), k dS', dvn = P^T dO + exp(GL - G) k dS', t = Ag^T dvn (= dv), te = -exp(G) t, the
-  update dS = exp(GL) dS' + q^T (scale exp(G) dO) + k^T te; and, from dvn, the 64 x 64 chain
+  update dS = exp(GL) dS' + q^T (scale exp(G) dO) + k^T te (q scaled into registers, the MMA's A
+  operand, so dO needs no scaled copy in shared memory); and, from dvn, the 64 x 64 chain
   dAg = dvn vres^T, X = -(Ag^T dAg Ag^T) o Gam with its dG / dbeta sums (X o k k^T, dAg o Ag),
   published as the one tile X + X^T (strictly lower / upper: dk needs only (X + X^T) k).
 * grad (threads 128-255): P = q k^T (gated, causal) for the state warpgroup, v_new, Pm, dq,
   dk's terms ((X + X^T) k with the state warpgroup's tile), the other dG sums, dg and dbeta.
 * loader (threads 256-383, one warp): the chunk's inputs in three groups (Ag, vres, G, beta /
-  h, dO / q, k), each reloaded by TMA as soon as both consumers have released it.
+  h, dO / q, k), each reloaded by TMA as soon as both consumers have released it; q and k have
+  two slots, so the next chunk's are loaded while this one's are read (with one, the state
+  warpgroup waited for them at every chunk's start: ~23% of its samples in ncu).
 
 Hand-overs between the consumers, each a single shared buffer with a ready / free mbarrier pair:
 dS' (state -> grad), P (grad -> state), te and X + X^T (state -> grad; X's dG / dbeta sums go
 with it in r_s). The 64 x 64 chain sits with the state warpgroup so that both consumers stay busy
-(given only the dS chain, the state warpgroup idled ~70% of the time).
+(given only the dS chain, the state warpgroup idled ~70% of the time). te and X + X^T are
+written over the state warpgroup's own tiles once it is done with them (dvn's, M's), and Pm over
+P's once the state warpgroup has read P: that shared memory holds the second q / k slot.
 
 Registers (setmaxnreg): state 256, grad 224, loader 24; shared memory 224 KiB of the 227 a
 block may have (checked by the CPU lowering tests). Only the grad warpgroup may reduce across
@@ -103,30 +108,28 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             c_first = chunk_offsets[n]
             n_chunks = T.ceildiv(seq_len, C)
 
-            # inputs, in three load groups: A (Ag, vres, G, beta), B (h, dO), C (q, k)
+            # inputs, in three load groups: A (Ag, vres, G, beta), B (h, dO), C (q, k: two slots, so
+            # that the next chunk's land while this one's are in use)
             a_s = T.alloc_shared((C, C), dtype)
             vr_s = T.alloc_shared((C, V), dtype)
             g_s = T.alloc_shared((2, C), acc)  # G and beta: two slots (read to the chunk's end)
             b_s = T.alloc_shared((2, C), acc)
             h_s = T.alloc_shared((K, V), dtype)
             do_s = T.alloc_shared((C, V), dtype)
-            q_s = T.alloc_shared((C, K), dtype)
-            k_s = T.alloc_shared((C, K), dtype)
+            q_s = T.alloc_shared((2, C, K), dtype)
+            k_s = T.alloc_shared((2, C, K), dtype)
             # hand-overs between the state and grad warpgroups
             dh_s = T.alloc_shared((K, V), dtype)  # dS' (gradient of the state leaving the chunk)
-            p_s = T.alloc_shared((C, C), dtype)  # P
-            te_s = T.alloc_shared((C, V), dtype)  # -exp(G) t
-            x_s = T.alloc_shared((C, C), dtype)  # X
+            p_s = T.alloc_shared((C, C), dtype)  # P (grad -> state), then Pm (the grad's own)
             # row / column sums for dG and dbeta: 0 colsum(dAg o Ag), 1 / 2 row / col of X o kk^T
             # (state); 3 / 4 row / col of Pm o qk^T, 5 the q term, 6 the -E t S^T term, 7 the
             # v_new dS'^T term (grad; the dG step adds <S, dS'>'s row-slice sums to its first RS)
             r_s = T.alloc_shared((8, C), acc)
-            # private to the state warpgroup
-            dvn_s = T.alloc_shared((C, V), dtype)  # dvn, then scale exp(G) dO
-            da_s = T.alloc_shared((C, C), dtype)  # dAg, then dAg Ag^T
+            # the state warpgroup's, each handed to the grad warpgroup at the end of its use
+            dvn_s = T.alloc_shared((C, V), dtype)  # dvn, then te = -exp(G) t (-> grad)
+            da_s = T.alloc_shared((C, C), dtype)  # dAg, then dAg Ag^T, then X + X^T (-> grad)
             # private to the grad warpgroup
             vn_s = T.alloc_shared((C, V), dtype)  # v_new
-            pm_s = T.alloc_shared((C, C), dtype)  # Pm
             dg_s = T.alloc_shared((C,), acc)
             hrow_s = T.alloc_shared((RS,), acc)  # row-slice sums of <S, dS'>
 
@@ -137,6 +140,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             sx_f = T.alloc_fragment((C, C), acc)
             srow_f = T.alloc_fragment((C,), acc)
             sd_f = T.alloc_fragment((C, C), acc)  # dAg^T o Ag^T, apart from sx_f (see the note below)
+            sxt_f = T.alloc_fragment((C, C), acc)  # X^T
+            qe_f = T.alloc_fragment((K, C), dtype)  # (scale exp(G) q)^T: the update's register A operand
             sdrow_f = T.alloc_fragment((C,), acc)
             glast_s = T.alloc_var(acc)
             # grad warpgroup
@@ -163,10 +168,10 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             landed = T.alloc_barrier(arrive_count=32)  # the walk's first tiles (the loader waits)
             ready_a = T.alloc_barrier(arrive_count=32)  # the loader warp's arrivals + TMA bytes
             ready_b = T.alloc_barrier(arrive_count=32)
-            ready_c = T.alloc_barrier(arrive_count=32)
+            ready_c = T.alloc_barrier(arrive_count=[32, 32])  # one per q / k slot
             free_a = T.alloc_barrier(arrive_count=2 * WG)  # both consumers are done with a group
             free_b = T.alloc_barrier(arrive_count=2 * WG)
-            free_c = T.alloc_barrier(arrive_count=2 * WG)
+            free_c = T.alloc_barrier(arrive_count=[2 * WG, 2 * WG])
             ds_ready = T.alloc_barrier(arrive_count=WG)
             ds_free = T.alloc_barrier(arrive_count=WG)
             p_ready = T.alloc_barrier(arrive_count=WG)
@@ -197,12 +202,16 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.copy(ds_f, dh_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(ds_ready)
-                    T.barrier_wait(ready_c, ph)
+                    T.barrier_wait(ready_c[s], (cc // 2) % 2)
                     T.barrier_wait(ready_a, ph)
-                    T.gemm(k_s, dh_s, cv_f, clear_accum=True)
+                    T.gemm(k_s[s, :, :], dh_s, cv_f, clear_accum=True)
                     glast_s = g_s[s, C - 1]
                     for i, d in T.Parallel(C, V):
                         cv_f[i, d] = cv_f[i, d] * T.exp2((glast_s - g_s[s, i]) * LOG2E)
+                    # the update dS = exp(GL) dS' + q^T (scale exp(G) dO) + k^T te starts here: dS'
+                    # is in dh_s now
+                    for i, d in T.Parallel(K, V):
+                        ds_f[i, d] = ds_f[i, d] * T.exp2(glast_s * LOG2E)
                     # dvn = P^T dO + diag(exp(GL - G)) k dS'  (rows >= L zero)
                     T.barrier_wait(ready_b, ph)
                     T.barrier_wait(p_ready, ph)
@@ -210,19 +219,14 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.barrier_arrive(p_free)
                     for i, d in T.Parallel(C, V):
                         cv_f[i, d] = T.if_then_else(i < L, cv_f[i, d], T.float32(0))
+                    T.barrier_wait(te_free, (cc + 1) % 2)  # grad has read the last chunk's te
                     T.copy(cv_f, dvn_s)
                     T.fence_proxy_async()
-                    # t = Ag^T dvn (= dv); te = -exp(G) t for the grad warpgroup
-                    T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
-                    for i, d in T.Parallel(C, V):
-                        if i < L:
-                            dv[0, t0 + i, bhv, d] = cv_f[i, d]
-                    for i, d in T.Parallel(C, V):
-                        cv_f[i, d] = -cv_f[i, d] * T.exp2(g_s[s, i] * LOG2E)
-                    T.barrier_wait(te_free, (cc + 1) % 2)
-                    T.copy(cv_f, te_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(te_ready)
+                    # q^T (scale exp(G) dO), q scaled on its way into registers: dO's last use here
+                    for d, i in T.Parallel(K, C):
+                        qe_f[d, i] = q_s[s, i, d] * T.exp2(g_s[s, i] * LOG2E) * scale
+                    T.gemm(qe_f, do_s, ds_f)
+                    T.barrier_arrive(free_b)
                     # Column sums here are row sums of the transposed products: a row sum is a
                     # shuffle inside each warp, while a column sum crosses warps through TileLang's
                     # named barrier 1, which the grad warpgroup's reductions use at the same time
@@ -231,6 +235,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.gemm(dvn_s, vr_s, sa_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
                         sa_f[i, j] = T.if_then_else(i >= j, sa_f[i, j], T.float32(0))
+                    T.barrier_wait(x_free, (cc + 1) % 2)  # grad has read the last chunk's X + X^T
                     T.copy(sa_f, da_s)
                     T.fence_proxy_async()
                     # colsum(dAg o Ag) (feeds dbeta) = rowsum(dAg^T o Ag^T), dAg^T = vres dvn^T
@@ -241,6 +246,18 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         sd_f[i, j] = T.if_then_else(j >= i, sd_f[i, j], T.float32(0))
                     T.reduce_sum(sd_f, sdrow_f, dim=1)
                     T.copy(sdrow_f, r_s[0, :])
+                    # t = Ag^T dvn (= dv), dvn's last use; te = -exp(G) t over dvn in its tile, for the
+                    # grad warpgroup and the update's k^T te
+                    T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
+                    for i, d in T.Parallel(C, V):
+                        if i < L:
+                            dv[0, t0 + i, bhv, d] = cv_f[i, d]
+                    for i, d in T.Parallel(C, V):
+                        cv_f[i, d] = -cv_f[i, d] * T.exp2(g_s[s, i] * LOG2E)
+                    T.copy(cv_f, dvn_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(te_ready)
+                    T.gemm(k_s[s, :, :], dvn_s, ds_f, transpose_A=True)
                     # M = dAg Ag^T -> da_s; X = -(Ag^T M) o Gam, strictly lower (= diag(beta) dA o Gam)
                     T.gemm(da_s, a_s, sa_f, transpose_B=True, clear_accum=True)
                     T.copy(sa_f, da_s)
@@ -250,38 +267,24 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         sx_f[i, j] = -sx_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E)
                     for i, j in T.Parallel(C, C):
                         sx_f[i, j] = T.if_then_else(i > j, sx_f[i, j], T.float32(0))
-                    # rowsum(X o k k^T) feeds dG and dbeta (k k^T kept in sa_f for the X^T sums)
-                    T.gemm(k_s, k_s, sa_f, transpose_B=True, clear_accum=True)
-                    T.barrier_wait(x_free, (cc + 1) % 2)
-                    T.copy(sx_f, x_s)
-                    rowsum_times(sx_f, sa_f, srow_f, r_s, 1)
-                    # colsum(X o k k^T) = rowsum(X^T o k k^T), X^T = -(M^T Ag) o Gam^T, strictly upper
-                    T.gemm(da_s, a_s, sx_f, transpose_A=True, clear_accum=True)
+                    # X^T = -(M^T Ag) o Gam^T, strictly upper: colsum(X o k k^T) = rowsum(X^T o k k^T)
+                    T.gemm(da_s, a_s, sxt_f, transpose_A=True, clear_accum=True)
                     T.barrier_arrive(free_a)
                     for i, j in T.Parallel(C, C):
-                        sx_f[i, j] = -sx_f[i, j] * T.exp2(T.min(g_s[s, j] - g_s[s, i], T.float32(0)) * LOG2E)
+                        sxt_f[i, j] = -sxt_f[i, j] * T.exp2(T.min(g_s[s, j] - g_s[s, i], T.float32(0)) * LOG2E)
                     for i, j in T.Parallel(C, C):
-                        sx_f[i, j] = T.if_then_else(j > i, sx_f[i, j], T.float32(0))
-                    # x_s becomes X + X^T (disjoint triangles): the grad warpgroup's dk needs only
+                        sxt_f[i, j] = T.if_then_else(j > i, sxt_f[i, j], T.float32(0))
+                    # da_s becomes X + X^T (disjoint triangles): the grad warpgroup's dk needs only
                     # (X + X^T) k, one GEMM instead of two
                     for i, j in T.Parallel(C, C):
-                        if j > i:
-                            x_s[i, j] = sx_f[i, j]
+                        da_s[i, j] = sx_f[i, j] + sxt_f[i, j]
                     T.fence_proxy_async()
-                    rowsum_times(sx_f, sa_f, srow_f, r_s, 2)
-                    T.barrier_arrive(x_ready)  # X and the sums 0-2 of r_s
-                    # scale exp(G) dO into dvn's tile for the update
-                    for i, d in T.Parallel(C, V):
-                        cv_f[i, d] = T.cast(do_s[i, d], acc) * (T.exp2(g_s[s, i] * LOG2E) * scale)
-                    T.barrier_arrive(free_b)
-                    T.copy(cv_f, dvn_s)
-                    T.fence_proxy_async()
-                    # dS = exp(GL) dS' + q^T (scale E dO) + k^T te
-                    for i, d in T.Parallel(K, V):
-                        ds_f[i, d] = ds_f[i, d] * T.exp2(glast_s * LOG2E)
-                    T.gemm(q_s, dvn_s, ds_f, transpose_A=True)
-                    T.gemm(k_s, te_s, ds_f, transpose_A=True)
-                    T.barrier_arrive(free_c)
+                    # rowsum(X o k k^T) and rowsum(X^T o k k^T) feed dG and dbeta
+                    T.gemm(k_s[s, :, :], k_s[s, :, :], sa_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(free_c[s])
+                    rowsum_times(sx_f, sa_f, srow_f, r_s, 1)
+                    rowsum_times(sxt_f, sa_f, srow_f, r_s, 2)
+                    T.barrier_arrive(x_ready)  # X + X^T and the sums 0-2 of r_s
                 if store_dh0:
                     T.copy(ds_f, dh0[n, bhv, :, :])
             elif tx < 2 * WG:
@@ -293,19 +296,18 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     L = T.min(seq_len - c * C, C)
                     s = cc % 2
                     ph = cc % 2
-                    T.barrier_wait(ready_c, ph)
+                    T.barrier_wait(ready_c[s], (cc // 2) % 2)
                     T.barrier_wait(ready_a, ph)
                     glast_g = g_s[s, C - 1]
                     # P = scale tril_incl(q k^T o Gam) for the state warpgroup. Gate, mask, store
                     # in loops of their own (the elementwise rule, hopper/common.py); G falls along
                     # the chunk, so the clamp changes only masked entries.
-                    T.gemm(q_s, k_s, qk_f, transpose_B=True, clear_accum=True)
+                    T.gemm(q_s[s, :, :], k_s[s, :, :], qk_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
                         cc_f[i, j] = qk_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E) * scale
                     for i, j in T.Parallel(C, C):
                         cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j], T.float32(0))
-                    T.barrier_wait(p_free, (cc + 1) % 2)
-                    T.copy(cc_f, p_s)
+                    T.copy(cc_f, p_s)  # the state warpgroup read the last P before Pm went there
                     T.fence_proxy_async()
                     T.barrier_arrive(p_ready)
                     # v_new = Ag vres (the grad warpgroup's last read of Ag and vres)
@@ -313,7 +315,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.barrier_arrive(free_a)
                     T.copy(vn_f, vn_s)
                     T.fence_proxy_async()
-                    # Pm = scale tril_incl(dO v_new^T o Gam) -> pm_s; Pm o q k^T feeds dG
+                    # Pm = scale tril_incl(dO v_new^T o Gam) -> p_s once the state warpgroup has read P;
+                    # Pm o q k^T feeds dG
                     T.barrier_wait(ready_b, ph)
                     T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
@@ -321,7 +324,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     for i, j in T.Parallel(C, C):
                         cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j], T.float32(0))
                         x_f[i, j] = cc_f[i, j] * qk_f[i, j]
-                    T.copy(cc_f, pm_s)
+                    T.barrier_wait(p_free, ph)
+                    T.copy(cc_f, p_s)
                     T.fence_proxy_async()
                     T.reduce_sum(x_f, pmqk_row_f, dim=1)
                     # batched: two barrier pairs for the 16 columns a thread holds instead of 16
@@ -335,15 +339,15 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     for i, d in T.Parallel(C, K):
                         acc_f[i, d] = acc_f[i, d] * (T.exp2(g_s[s, i] * LOG2E) * scale)
                     for i, d in T.Parallel(C, K):
-                        tmp_f[i, d] = acc_f[i, d] * q_s[i, d]
+                        tmp_f[i, d] = acc_f[i, d] * q_s[s, i, d]
                     T.reduce_sum(tmp_f, q_term_f, dim=1)
                     T.copy(q_term_f, r_s[5, :])
-                    T.gemm(pm_s, k_s, acc_f)
+                    T.gemm(p_s, k_s[s, :, :], acc_f)
                     for i, d in T.Parallel(C, K):
                         if i < L:
                             dq_part[0, t0 + i, bhv, d] = acc_f[i, d]
                     # dk = Pm^T q + diag(exp(GL - G)) v_new dS'^T + X k + X^T k - E t S^T
-                    T.gemm(pm_s, q_s, acc_f, transpose_A=True, clear_accum=True)
+                    T.gemm(p_s, q_s[s, :, :], acc_f, transpose_A=True, clear_accum=True)
                     T.barrier_wait(ds_ready, ph)
                     # exp(GL) <S, dS'> (S = h, the state entering the chunk), in row slices
                     T.clear(hd_f)
@@ -359,28 +363,28 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     for i, d in T.Parallel(C, K):
                         acc_f[i, d] = acc_f[i, d] + tmp_f[i, d]
                     for i, d in T.Parallel(C, K):
-                        tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
+                        tmp_f[i, d] = tmp_f[i, d] * k_s[s, i, d]
                     T.reduce_sum(tmp_f, vn_term_f, dim=1)
                     T.copy(vn_term_f, r_s[7, :])
-                    # X k + X^T k = (X + X^T) k (x_s and the dG / dbeta sums from the state warpgroup)
+                    # X k + X^T k = (X + X^T) k (da_s and the dG / dbeta sums from the state warpgroup)
                     T.barrier_wait(x_ready, ph)
-                    T.gemm(x_s, k_s, acc_f)
+                    T.gemm(da_s, k_s[s, :, :], acc_f)
                     T.barrier_arrive(x_free)
-                    # - E t S^T (te = -E t from the state warpgroup)
+                    # - E t S^T (te = -E t from the state warpgroup, in dvn_s)
                     T.barrier_wait(te_ready, ph)
-                    T.gemm(te_s, h_s, tmp_f, transpose_B=True, clear_accum=True)
+                    T.gemm(dvn_s, h_s, tmp_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(te_free)
                     T.barrier_arrive(free_b)
                     for i, d in T.Parallel(C, K):
                         acc_f[i, d] = acc_f[i, d] + tmp_f[i, d]
                     for i, d in T.Parallel(C, K):
-                        tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
+                        tmp_f[i, d] = tmp_f[i, d] * k_s[s, i, d]
                     T.reduce_sum(tmp_f, te_term_f, dim=1)
                     T.copy(te_term_f, r_s[6, :])
                     for i, d in T.Parallel(C, K):
                         if i < L:
                             dk_part[0, t0 + i, bhv, d] = acc_f[i, d]
-                    T.barrier_arrive(free_c)
+                    T.barrier_arrive(free_c[s])
                     # dG and dbeta. dg[i] = sum_{j >= i} d[j] + c: d the row terms, c the last valid
                     # row's scalar terms (exp(GL) <S, dS'> and the sum of the v_new terms), which
                     # reach every row i < L. c enters as a row summed whole: the v_new terms (r_s[7])
@@ -427,8 +431,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         T.tma_copy(vres[0, t_first : t_first + C, bhv, :], vr_s, barrier=landed)
                         T.tma_copy(h[c_first + n_chunks - 1, bhv, :, :], h_s, barrier=landed)
                         T.tma_copy(do[0, t_first : t_first + C, bhv, :], do_s, barrier=landed)
-                        T.tma_copy(q[0, t_first : t_first + C, bh, :], q_s, barrier=landed)
-                        T.tma_copy(k[0, t_first : t_first + C, bh, :], k_s, barrier=landed)
+                        T.tma_copy(q[0, t_first : t_first + C, bh, :], q_s[0, :, :], barrier=landed)
+                        T.tma_copy(k[0, t_first : t_first + C, bh, :], k_s[0, :, :], barrier=landed)
                         T.barrier_arrive(landed)
                         T.barrier_wait(landed, 0)
                         if L_first < C:
@@ -441,18 +445,22 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                                     vr_s[L_first + i, d] = T.cast(0, dtype)
                                     do_s[L_first + i, d] = T.cast(0, dtype)
                                 for d in T.Parallel(K):
-                                    q_s[L_first + i, d] = T.cast(0, dtype)
-                                    k_s[L_first + i, d] = T.cast(0, dtype)
+                                    q_s[0, L_first + i, d] = T.cast(0, dtype)
+                                    k_s[0, L_first + i, d] = T.cast(0, dtype)
                             T.fence_proxy_async()
                         T.barrier_arrive(ready_a)
                         T.barrier_arrive(ready_b)
-                        T.barrier_arrive(ready_c)
-                    # every later chunk is whole
+                        T.barrier_arrive(ready_c[0])
+                    # every later chunk is whole; q and k first: their slot was freed a chunk ago
                     for cn in T.serial(n_chunks - 1):
                         cc = cn + 1
                         c = n_chunks - 1 - cc
                         t0 = s0 + c * C
                         s = cc % 2
+                        T.barrier_wait(free_c[s], (cc // 2 + 1) % 2)
+                        T.tma_copy(q[0, t0 : t0 + C, bh, :], q_s[s, :, :], barrier=ready_c[s])
+                        T.tma_copy(k[0, t0 : t0 + C, bh, :], k_s[s, :, :], barrier=ready_c[s])
+                        T.barrier_arrive(ready_c[s])
                         T.barrier_wait(free_a, cn % 2)
                         for i in T.Parallel(C):
                             g_s[s, i] = gc[0, t0 + i, bhv]
@@ -464,9 +472,5 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         T.tma_copy(h[c_first + c, bhv, :, :], h_s, barrier=ready_b)
                         T.tma_copy(do[0, t0 : t0 + C, bhv, :], do_s, barrier=ready_b)
                         T.barrier_arrive(ready_b)
-                        T.barrier_wait(free_c, cn % 2)
-                        T.tma_copy(q[0, t0 : t0 + C, bh, :], q_s, barrier=ready_c)
-                        T.tma_copy(k[0, t0 : t0 + C, bh, :], k_s, barrier=ready_c)
-                        T.barrier_arrive(ready_c)
 
     return gdn_bwd_fused_ws
