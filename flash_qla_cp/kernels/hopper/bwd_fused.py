@@ -9,18 +9,23 @@ states h and vres come from the h walk. The work of a chunk is shared by three w
 
 * state (threads 0-127): dS [K, V] fp32 in registers and the chain that needs it: publish dS'
   (bf16), k dS', dvn = P^T dO + exp(GL - G) k dS', t = Ag^T dvn (= dv), te = -exp(G) t, the
-  update dS = exp(GL) dS' + q^T (scale exp(G) dO) + k^T te; and, from dvn, the 64 x 64 chain
+  update dS = exp(GL) dS' + q^T (scale exp(G) dO) + k^T te (q scaled into registers, the MMA's A
+  operand, so dO needs no scaled copy in shared memory); and, from dvn, the 64 x 64 chain
   dAg = dvn vres^T, X = -(Ag^T dAg Ag^T) o Gam with its dG / dbeta sums (X o k k^T, dAg o Ag),
   published as the one tile X + X^T (strictly lower / upper: dk needs only (X + X^T) k).
 * grad (threads 128-255): P = q k^T (gated, causal) for the state warpgroup, v_new, Pm, dq,
   dk's terms ((X + X^T) k with the state warpgroup's tile), the other dG sums, dg and dbeta.
 * loader (threads 256-383, one warp): the chunk's inputs in three groups (Ag, vres, G, beta /
-  h, dO / q, k), each reloaded by TMA as soon as both consumers have released it.
+  h, dO / q, k), each reloaded by TMA as soon as both consumers have released it; q and k have
+  two slots, so the next chunk's are loaded while this one's are read (with one, the state
+  warpgroup waited for them at every chunk's start: ~23% of its samples in ncu).
 
 Hand-overs between the consumers, each a single shared buffer with a ready / free mbarrier pair:
 dS' (state -> grad), P (grad -> state), te and X + X^T (state -> grad; X's dG / dbeta sums go
 with it in r_s). The 64 x 64 chain sits with the state warpgroup so that both consumers stay busy
-(given only the dS chain, the state warpgroup idled ~70% of the time).
+(given only the dS chain, the state warpgroup idled ~70% of the time). te and X + X^T are
+written over the state warpgroup's own tiles once it is done with them (dvn's, M's), and Pm over
+P's once the state warpgroup has read P: that shared memory holds the second q / k slot.
 
 Registers (setmaxnreg): state 256, grad 224, loader 24; shared memory 224 KiB of the 227 a
 block may have (checked by the CPU lowering tests). Only the grad warpgroup may reduce across
@@ -66,13 +71,39 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
     N0 = T.dynamic("n_dh0")
 
     @T.macro
-    def rowsum_times(x, y, row, r_s, slot):
-        # r_s[slot] = rowsum(x o y) (x, y [C, C] fp32 fragments; x is overwritten); a row sum
-        # stays inside each warp (see the state warpgroup's note on reductions)
+    def rowsum_times(x, y, row, out):
+        # out = rowsum(x o y) (x, y [C, C] fp32 fragments; x is overwritten); a row sum stays
+        # inside each warp (see the state warpgroup's note on reductions)
         for i, j in T.Parallel(C, C):
             x[i, j] = x[i, j] * y[i, j]
         T.reduce_sum(x, row, dim=1)
-        T.copy(row, r_s[slot, :])
+        T.copy(row, out)
+
+    @T.macro
+    def form_p(q_s, k_s, g_s, qk_f, cc_f, p_s, p_ready, slot):
+        # P = scale tril_incl(q k^T o Gam) of the chunk in q / k / G slot `slot`, for the state
+        # warpgroup (q k^T stays in qk_f for the grad warpgroup's Pm o q k^T). Gate, mask, store
+        # in loops of their own (the elementwise rule, hopper/common.py); G falls along the
+        # chunk, so the clamp changes only masked entries.
+        T.gemm(q_s[slot, :, :], k_s[slot, :, :], qk_f, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            cc_f[i, j] = qk_f[i, j] * T.exp2(T.min(g_s[slot, i] - g_s[slot, j], T.float32(0)) * LOG2E) * scale
+        for i, j in T.Parallel(C, C):
+            cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j], T.float32(0))
+        T.copy(cc_f, p_s)  # the state warpgroup has read the last P (the grad waited before Pm)
+        T.fence_proxy_async()
+        T.barrier_arrive(p_ready)
+
+    @T.macro
+    def load_qkg(q, k, gc, beta, q_s, k_s, g_s, b_s, ready_c, s0, c, bh, bhv, slot):
+        # q, k (TMA), G and beta of the whole chunk c into slot `slot`
+        t0 = s0 + c * C
+        T.tma_copy(q[0, t0 : t0 + C, bh, :], q_s[slot, :, :], barrier=ready_c[slot])
+        T.tma_copy(k[0, t0 : t0 + C, bh, :], k_s[slot, :, :], barrier=ready_c[slot])
+        for i in T.Parallel(C):
+            g_s[slot, i] = gc[0, t0 + i, bhv]
+            b_s[slot, i] = beta[0, t0 + i, bhv]
+        T.barrier_arrive(ready_c[slot])
 
     @T.prim_func
     def gdn_bwd_fused_ws(
@@ -103,30 +134,32 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             c_first = chunk_offsets[n]
             n_chunks = T.ceildiv(seq_len, C)
 
-            # inputs, in three load groups: A (Ag, vres, G, beta), B (h, dO), C (q, k)
+            # inputs, in four load groups: A (Ag, vres), B (dO), H (h), C (q, k, G, beta: two slots,
+            # so that the next chunk's land while this one's are in use and the grad warpgroup can
+            # form the next chunk's P before this chunk's end)
             a_s = T.alloc_shared((C, C), dtype)
             vr_s = T.alloc_shared((C, V), dtype)
-            g_s = T.alloc_shared((2, C), acc)  # G and beta: two slots (read to the chunk's end)
-            b_s = T.alloc_shared((2, C), acc)
-            h_s = T.alloc_shared((K, V), dtype)
             do_s = T.alloc_shared((C, V), dtype)
-            q_s = T.alloc_shared((C, K), dtype)
-            k_s = T.alloc_shared((C, K), dtype)
+            h_s = T.alloc_shared((K, V), dtype)
+            q_s = T.alloc_shared((2, C, K), dtype)
+            k_s = T.alloc_shared((2, C, K), dtype)
+            g_s = T.alloc_shared((2, C), acc)
+            b_s = T.alloc_shared((2, C), acc)
             # hand-overs between the state and grad warpgroups
             dh_s = T.alloc_shared((K, V), dtype)  # dS' (gradient of the state leaving the chunk)
-            p_s = T.alloc_shared((C, C), dtype)  # P
-            te_s = T.alloc_shared((C, V), dtype)  # -exp(G) t
-            x_s = T.alloc_shared((C, C), dtype)  # X
-            # row / column sums for dG and dbeta: 0 colsum(dAg o Ag), 1 / 2 row / col of X o kk^T
-            # (state); 3 / 4 row / col of Pm o qk^T, 5 the q term, 6 the -E t S^T term, 7 the
-            # v_new dS'^T term (grad; the dG step adds <S, dS'>'s row-slice sums to its first RS)
-            r_s = T.alloc_shared((8, C), acc)
-            # private to the state warpgroup
-            dvn_s = T.alloc_shared((C, V), dtype)  # dvn, then scale exp(G) dO
-            da_s = T.alloc_shared((C, C), dtype)  # dAg, then dAg Ag^T
+            p_s = T.alloc_shared((C, C), dtype)  # P (grad -> state), then Pm (the grad's own)
+            # the state's row / column sums for dG and dbeta, one slot per chunk parity (the grad
+            # warpgroup reads a chunk's at its end, when the state warpgroup may be a chunk ahead):
+            # 0 colsum(dAg o Ag), 1 / 2 row / col of X o kk^T
+            xr_s = T.alloc_shared((2, 3, C), acc)
+            # the grad's: 0 / 1 row / col of Pm o qk^T, 2 the q term, 3 the -E t S^T term, 4 the
+            # v_new dS'^T term (the dG step adds <S, dS'>'s row-slice sums to its first RS)
+            r_s = T.alloc_shared((5, C), acc)
+            # the state warpgroup's, each handed to the grad warpgroup at the end of its use
+            dvn_s = T.alloc_shared((C, V), dtype)  # dvn, then te = -exp(G) t (-> grad)
+            da_s = T.alloc_shared((C, C), dtype)  # dAg, then dAg Ag^T, then X + X^T (-> grad)
             # private to the grad warpgroup
             vn_s = T.alloc_shared((C, V), dtype)  # v_new
-            pm_s = T.alloc_shared((C, C), dtype)  # Pm
             dg_s = T.alloc_shared((C,), acc)
             hrow_s = T.alloc_shared((RS,), acc)  # row-slice sums of <S, dS'>
 
@@ -137,6 +170,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             sx_f = T.alloc_fragment((C, C), acc)
             srow_f = T.alloc_fragment((C,), acc)
             sd_f = T.alloc_fragment((C, C), acc)  # dAg^T o Ag^T, apart from sx_f (see the note below)
+            sxt_f = T.alloc_fragment((C, C), acc)  # X^T
+            qe_f = T.alloc_fragment((K, C), dtype)  # (scale exp(G) q)^T: the update's register A operand
             sdrow_f = T.alloc_fragment((C,), acc)
             glast_s = T.alloc_var(acc)
             # grad warpgroup
@@ -163,10 +198,12 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             landed = T.alloc_barrier(arrive_count=32)  # the walk's first tiles (the loader waits)
             ready_a = T.alloc_barrier(arrive_count=32)  # the loader warp's arrivals + TMA bytes
             ready_b = T.alloc_barrier(arrive_count=32)
-            ready_c = T.alloc_barrier(arrive_count=32)
+            ready_h = T.alloc_barrier(arrive_count=32)
+            ready_c = T.alloc_barrier(arrive_count=[32, 32])  # one per slot
             free_a = T.alloc_barrier(arrive_count=2 * WG)  # both consumers are done with a group
             free_b = T.alloc_barrier(arrive_count=2 * WG)
-            free_c = T.alloc_barrier(arrive_count=2 * WG)
+            free_h = T.alloc_barrier(arrive_count=WG)  # h: the grad warpgroup's alone
+            free_c = T.alloc_barrier(arrive_count=[2 * WG, 2 * WG])
             ds_ready = T.alloc_barrier(arrive_count=WG)
             ds_free = T.alloc_barrier(arrive_count=WG)
             p_ready = T.alloc_barrier(arrive_count=WG)
@@ -197,12 +234,15 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.copy(ds_f, dh_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(ds_ready)
-                    T.barrier_wait(ready_c, ph)
-                    T.barrier_wait(ready_a, ph)
-                    T.gemm(k_s, dh_s, cv_f, clear_accum=True)
+                    T.barrier_wait(ready_c[s], (cc // 2) % 2)
+                    T.gemm(k_s[s, :, :], dh_s, cv_f, clear_accum=True)
                     glast_s = g_s[s, C - 1]
                     for i, d in T.Parallel(C, V):
                         cv_f[i, d] = cv_f[i, d] * T.exp2((glast_s - g_s[s, i]) * LOG2E)
+                    # the update dS = exp(GL) dS' + q^T (scale exp(G) dO) + k^T te starts here: dS'
+                    # is in dh_s now
+                    for i, d in T.Parallel(K, V):
+                        ds_f[i, d] = ds_f[i, d] * T.exp2(glast_s * LOG2E)
                     # dvn = P^T dO + diag(exp(GL - G)) k dS'  (rows >= L zero)
                     T.barrier_wait(ready_b, ph)
                     T.barrier_wait(p_ready, ph)
@@ -210,27 +250,24 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.barrier_arrive(p_free)
                     for i, d in T.Parallel(C, V):
                         cv_f[i, d] = T.if_then_else(i < L, cv_f[i, d], T.float32(0))
+                    T.barrier_wait(te_free, (cc + 1) % 2)  # grad has read the last chunk's te
                     T.copy(cv_f, dvn_s)
                     T.fence_proxy_async()
-                    # t = Ag^T dvn (= dv); te = -exp(G) t for the grad warpgroup
-                    T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
-                    for i, d in T.Parallel(C, V):
-                        if i < L:
-                            dv[0, t0 + i, bhv, d] = cv_f[i, d]
-                    for i, d in T.Parallel(C, V):
-                        cv_f[i, d] = -cv_f[i, d] * T.exp2(g_s[s, i] * LOG2E)
-                    T.barrier_wait(te_free, (cc + 1) % 2)
-                    T.copy(cv_f, te_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(te_ready)
+                    # q^T (scale exp(G) dO), q scaled on its way into registers: dO's last use here
+                    for d, i in T.Parallel(K, C):
+                        qe_f[d, i] = q_s[s, i, d] * T.exp2(g_s[s, i] * LOG2E) * scale
+                    T.gemm(qe_f, do_s, ds_f)
+                    T.barrier_arrive(free_b)
                     # Column sums here are row sums of the transposed products: a row sum is a
                     # shuffle inside each warp, while a column sum crosses warps through TileLang's
                     # named barrier 1, which the grad warpgroup's reductions use at the same time
                     # (v2 did that: dg came out non-deterministic).
                     # dAg = tril_incl(dvn vres^T) -> da_s
+                    T.barrier_wait(ready_a, ph)
                     T.gemm(dvn_s, vr_s, sa_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
                         sa_f[i, j] = T.if_then_else(i >= j, sa_f[i, j], T.float32(0))
+                    T.barrier_wait(x_free, (cc + 1) % 2)  # grad has read the last chunk's X + X^T
                     T.copy(sa_f, da_s)
                     T.fence_proxy_async()
                     # colsum(dAg o Ag) (feeds dbeta) = rowsum(dAg^T o Ag^T), dAg^T = vres dvn^T
@@ -240,7 +277,19 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     for i, j in T.Parallel(C, C):
                         sd_f[i, j] = T.if_then_else(j >= i, sd_f[i, j], T.float32(0))
                     T.reduce_sum(sd_f, sdrow_f, dim=1)
-                    T.copy(sdrow_f, r_s[0, :])
+                    T.copy(sdrow_f, xr_s[s, 0, :])
+                    # t = Ag^T dvn (= dv), dvn's last use; te = -exp(G) t over dvn in its tile, for the
+                    # grad warpgroup and the update's k^T te
+                    T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
+                    for i, d in T.Parallel(C, V):
+                        if i < L:
+                            dv[0, t0 + i, bhv, d] = cv_f[i, d]
+                    for i, d in T.Parallel(C, V):
+                        cv_f[i, d] = -cv_f[i, d] * T.exp2(g_s[s, i] * LOG2E)
+                    T.copy(cv_f, dvn_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(te_ready)
+                    T.gemm(k_s[s, :, :], dvn_s, ds_f, transpose_A=True)
                     # M = dAg Ag^T -> da_s; X = -(Ag^T M) o Gam, strictly lower (= diag(beta) dA o Gam)
                     T.gemm(da_s, a_s, sa_f, transpose_B=True, clear_accum=True)
                     T.copy(sa_f, da_s)
@@ -250,70 +299,50 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         sx_f[i, j] = -sx_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E)
                     for i, j in T.Parallel(C, C):
                         sx_f[i, j] = T.if_then_else(i > j, sx_f[i, j], T.float32(0))
-                    # rowsum(X o k k^T) feeds dG and dbeta (k k^T kept in sa_f for the X^T sums)
-                    T.gemm(k_s, k_s, sa_f, transpose_B=True, clear_accum=True)
-                    T.barrier_wait(x_free, (cc + 1) % 2)
-                    T.copy(sx_f, x_s)
-                    rowsum_times(sx_f, sa_f, srow_f, r_s, 1)
-                    # colsum(X o k k^T) = rowsum(X^T o k k^T), X^T = -(M^T Ag) o Gam^T, strictly upper
-                    T.gemm(da_s, a_s, sx_f, transpose_A=True, clear_accum=True)
+                    # X^T = -(M^T Ag) o Gam^T, strictly upper: colsum(X o k k^T) = rowsum(X^T o k k^T)
+                    T.gemm(da_s, a_s, sxt_f, transpose_A=True, clear_accum=True)
                     T.barrier_arrive(free_a)
                     for i, j in T.Parallel(C, C):
-                        sx_f[i, j] = -sx_f[i, j] * T.exp2(T.min(g_s[s, j] - g_s[s, i], T.float32(0)) * LOG2E)
+                        sxt_f[i, j] = -sxt_f[i, j] * T.exp2(T.min(g_s[s, j] - g_s[s, i], T.float32(0)) * LOG2E)
                     for i, j in T.Parallel(C, C):
-                        sx_f[i, j] = T.if_then_else(j > i, sx_f[i, j], T.float32(0))
-                    # x_s becomes X + X^T (disjoint triangles): the grad warpgroup's dk needs only
+                        sxt_f[i, j] = T.if_then_else(j > i, sxt_f[i, j], T.float32(0))
+                    # da_s becomes X + X^T (disjoint triangles): the grad warpgroup's dk needs only
                     # (X + X^T) k, one GEMM instead of two
                     for i, j in T.Parallel(C, C):
-                        if j > i:
-                            x_s[i, j] = sx_f[i, j]
+                        da_s[i, j] = sx_f[i, j] + sxt_f[i, j]
                     T.fence_proxy_async()
-                    rowsum_times(sx_f, sa_f, srow_f, r_s, 2)
-                    T.barrier_arrive(x_ready)  # X and the sums 0-2 of r_s
-                    # scale exp(G) dO into dvn's tile for the update
-                    for i, d in T.Parallel(C, V):
-                        cv_f[i, d] = T.cast(do_s[i, d], acc) * (T.exp2(g_s[s, i] * LOG2E) * scale)
-                    T.barrier_arrive(free_b)
-                    T.copy(cv_f, dvn_s)
-                    T.fence_proxy_async()
-                    # dS = exp(GL) dS' + q^T (scale E dO) + k^T te
-                    for i, d in T.Parallel(K, V):
-                        ds_f[i, d] = ds_f[i, d] * T.exp2(glast_s * LOG2E)
-                    T.gemm(q_s, dvn_s, ds_f, transpose_A=True)
-                    T.gemm(k_s, te_s, ds_f, transpose_A=True)
-                    T.barrier_arrive(free_c)
+                    # rowsum(X o k k^T) and rowsum(X^T o k k^T) feed dG and dbeta
+                    T.gemm(k_s[s, :, :], k_s[s, :, :], sa_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(free_c[s])
+                    rowsum_times(sx_f, sa_f, srow_f, xr_s[s, 1, :])
+                    rowsum_times(sxt_f, sa_f, srow_f, xr_s[s, 2, :])
+                    T.barrier_arrive(x_ready)  # X + X^T and this chunk's xr_s
                 if store_dh0:
                     T.copy(ds_f, dh0[n, bhv, :, :])
             elif tx < 2 * WG:
                 # ---------------- grad warpgroup ----------------
                 T.set_max_nreg(GRAD_REGS, 1)
+                # P of the walk's first chunk; each chunk forms the next one's P before it waits
+                # for the state warpgroup's X, so that the state warpgroup finds P ready when it
+                # starts its next chunk
+                if n_chunks > 0:
+                    T.barrier_wait(ready_c[0], 0)
+                    form_p(q_s, k_s, g_s, qk_f, cc_f, p_s, p_ready, 0)
                 for cc in T.serial(n_chunks):
                     c = n_chunks - 1 - cc
                     t0 = s0 + c * C
                     L = T.min(seq_len - c * C, C)
                     s = cc % 2
                     ph = cc % 2
-                    T.barrier_wait(ready_c, ph)
-                    T.barrier_wait(ready_a, ph)
                     glast_g = g_s[s, C - 1]
-                    # P = scale tril_incl(q k^T o Gam) for the state warpgroup. Gate, mask, store
-                    # in loops of their own (the elementwise rule, hopper/common.py); G falls along
-                    # the chunk, so the clamp changes only masked entries.
-                    T.gemm(q_s, k_s, qk_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        cc_f[i, j] = qk_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], T.float32(0)) * LOG2E) * scale
-                    for i, j in T.Parallel(C, C):
-                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j], T.float32(0))
-                    T.barrier_wait(p_free, (cc + 1) % 2)
-                    T.copy(cc_f, p_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(p_ready)
                     # v_new = Ag vres (the grad warpgroup's last read of Ag and vres)
+                    T.barrier_wait(ready_a, ph)
                     T.gemm(a_s, vr_s, vn_f, clear_accum=True)
                     T.barrier_arrive(free_a)
                     T.copy(vn_f, vn_s)
                     T.fence_proxy_async()
-                    # Pm = scale tril_incl(dO v_new^T o Gam) -> pm_s; Pm o q k^T feeds dG
+                    # Pm = scale tril_incl(dO v_new^T o Gam) -> p_s once the state warpgroup has read P;
+                    # Pm o q k^T feeds dG (qk_f: this chunk's q k^T, from form_p)
                     T.barrier_wait(ready_b, ph)
                     T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
@@ -321,29 +350,32 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     for i, j in T.Parallel(C, C):
                         cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j], T.float32(0))
                         x_f[i, j] = cc_f[i, j] * qk_f[i, j]
-                    T.copy(cc_f, pm_s)
+                    T.barrier_wait(p_free, ph)
+                    T.copy(cc_f, p_s)
                     T.fence_proxy_async()
                     T.reduce_sum(x_f, pmqk_row_f, dim=1)
                     # batched: two barrier pairs for the 16 columns a thread holds instead of 16
                     # pairs (the unbatched sum took ~22% of this warpgroup's time, ncu); 8, not 16:
                     # its workspace (batch x 128 floats) has to fit in what shared memory is left
                     T.reduce_sum(x_f, col_f, dim=0, batch=8)
-                    T.copy(pmqk_row_f, r_s[3, :])
-                    T.copy(col_f, r_s[4, :])
+                    T.copy(pmqk_row_f, r_s[0, :])
+                    T.copy(col_f, r_s[1, :])
                     # dq = scale E dO S^T + Pm k
+                    T.barrier_wait(ready_h, ph)
                     T.gemm(do_s, h_s, acc_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(free_b)
                     for i, d in T.Parallel(C, K):
                         acc_f[i, d] = acc_f[i, d] * (T.exp2(g_s[s, i] * LOG2E) * scale)
                     for i, d in T.Parallel(C, K):
-                        tmp_f[i, d] = acc_f[i, d] * q_s[i, d]
+                        tmp_f[i, d] = acc_f[i, d] * q_s[s, i, d]
                     T.reduce_sum(tmp_f, q_term_f, dim=1)
-                    T.copy(q_term_f, r_s[5, :])
-                    T.gemm(pm_s, k_s, acc_f)
+                    T.copy(q_term_f, r_s[2, :])
+                    T.gemm(p_s, k_s[s, :, :], acc_f)
                     for i, d in T.Parallel(C, K):
                         if i < L:
                             dq_part[0, t0 + i, bhv, d] = acc_f[i, d]
                     # dk = Pm^T q + diag(exp(GL - G)) v_new dS'^T + X k + X^T k - E t S^T
-                    T.gemm(pm_s, q_s, acc_f, transpose_A=True, clear_accum=True)
+                    T.gemm(p_s, q_s[s, :, :], acc_f, transpose_A=True, clear_accum=True)
                     T.barrier_wait(ds_ready, ph)
                     # exp(GL) <S, dS'> (S = h, the state entering the chunk), in row slices
                     T.clear(hd_f)
@@ -359,37 +391,41 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     for i, d in T.Parallel(C, K):
                         acc_f[i, d] = acc_f[i, d] + tmp_f[i, d]
                     for i, d in T.Parallel(C, K):
-                        tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
+                        tmp_f[i, d] = tmp_f[i, d] * k_s[s, i, d]
                     T.reduce_sum(tmp_f, vn_term_f, dim=1)
-                    T.copy(vn_term_f, r_s[7, :])
-                    # X k + X^T k = (X + X^T) k (x_s and the dG / dbeta sums from the state warpgroup)
+                    T.copy(vn_term_f, r_s[4, :])
+                    # the next chunk's P (Pm's last read was the GEMM above)
+                    if cc + 1 < n_chunks:
+                        T.barrier_wait(ready_c[1 - s], ((cc + 1) // 2) % 2)
+                        form_p(q_s, k_s, g_s, qk_f, cc_f, p_s, p_ready, 1 - s)
+                    # X k + X^T k = (X + X^T) k (da_s and the dG / dbeta sums from the state warpgroup)
                     T.barrier_wait(x_ready, ph)
-                    T.gemm(x_s, k_s, acc_f)
+                    T.gemm(da_s, k_s[s, :, :], acc_f)
                     T.barrier_arrive(x_free)
-                    # - E t S^T (te = -E t from the state warpgroup)
+                    # - E t S^T (te = -E t from the state warpgroup, in dvn_s)
                     T.barrier_wait(te_ready, ph)
-                    T.gemm(te_s, h_s, tmp_f, transpose_B=True, clear_accum=True)
+                    T.gemm(dvn_s, h_s, tmp_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(te_free)
-                    T.barrier_arrive(free_b)
+                    T.barrier_arrive(free_h)
                     for i, d in T.Parallel(C, K):
                         acc_f[i, d] = acc_f[i, d] + tmp_f[i, d]
                     for i, d in T.Parallel(C, K):
-                        tmp_f[i, d] = tmp_f[i, d] * k_s[i, d]
+                        tmp_f[i, d] = tmp_f[i, d] * k_s[s, i, d]
                     T.reduce_sum(tmp_f, te_term_f, dim=1)
-                    T.copy(te_term_f, r_s[6, :])
+                    T.copy(te_term_f, r_s[3, :])
                     for i, d in T.Parallel(C, K):
                         if i < L:
                             dk_part[0, t0 + i, bhv, d] = acc_f[i, d]
-                    T.barrier_arrive(free_c)
                     # dG and dbeta. dg[i] = sum_{j >= i} d[j] + c: d the row terms, c the last valid
                     # row's scalar terms (exp(GL) <S, dS'> and the sum of the v_new terms), which
-                    # reach every row i < L. c enters as a row summed whole: the v_new terms (r_s[7])
+                    # reach every row i < L. c enters as a row summed whole: the v_new terms (r_s[4])
                     # plus <S, dS'>'s row-slice sums; no reduction to a scalar (each costs ~0.7 s
                     # of TileLang's layout inference)
                     for i in T.Parallel(C):
-                        dg_s[i] = r_s[5, i] + r_s[6, i] - r_s[7, i] + r_s[3, i] - r_s[4, i] + r_s[1, i] - r_s[2, i]
+                        dg_s[i] = (r_s[2, i] + r_s[3, i] - r_s[4, i] + r_s[0, i] - r_s[1, i] + xr_s[s, 1, i]
+                                   - xr_s[s, 2, i])
                     for i in T.Parallel(RS):
-                        r_s[7, i] = r_s[7, i] + hrow_s[i] * T.exp2(glast_g * LOG2E)
+                        r_s[4, i] = r_s[4, i] + hrow_s[i] * T.exp2(glast_g * LOG2E)
                     # the reverse cumsum as a masked row sum (T.cumsum's scan indexes threads from 0,
                     # TileLang 0.1.15 scan.h, and would skip this warpgroup's threads 128-255), in a
                     # fragment of its own: sharing cc_f joined it to P's and Pm's loops in one
@@ -399,14 +435,15 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     for i, j in T.Parallel(C, C):
                         rc_f[i, j] = T.if_then_else(j >= i, rc_f[i, j], T.float32(0))
                     for i, j in T.Parallel(C, C):
-                        rc_f[i, j] = rc_f[i, j] + r_s[7, j]
+                        rc_f[i, j] = rc_f[i, j] + r_s[4, j]
                     T.reduce_sum(rc_f, dg_f, dim=1)
                     for i in T.Parallel(C):
                         if i < L:
                             dg[0, t0 + i, bhv] = dg_f[i]
                             db[0, t0 + i, bhv] = T.if_then_else(
-                                b_s[s, i] != T.float32(0), (r_s[1, i] + r_s[0, i]) / b_s[s, i], T.float32(0)
+                                b_s[s, i] != T.float32(0), (xr_s[s, 1, i] + xr_s[s, 0, i]) / b_s[s, i], T.float32(0)
                             )
+                    T.barrier_arrive(free_c[s])  # q, k, G and beta
             else:
                 # ---------------- loader: one warp ----------------
                 T.set_max_nreg(LOADER_REGS, 0)
@@ -427,8 +464,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         T.tma_copy(vres[0, t_first : t_first + C, bhv, :], vr_s, barrier=landed)
                         T.tma_copy(h[c_first + n_chunks - 1, bhv, :, :], h_s, barrier=landed)
                         T.tma_copy(do[0, t_first : t_first + C, bhv, :], do_s, barrier=landed)
-                        T.tma_copy(q[0, t_first : t_first + C, bh, :], q_s, barrier=landed)
-                        T.tma_copy(k[0, t_first : t_first + C, bh, :], k_s, barrier=landed)
+                        T.tma_copy(q[0, t_first : t_first + C, bh, :], q_s[0, :, :], barrier=landed)
+                        T.tma_copy(k[0, t_first : t_first + C, bh, :], k_s[0, :, :], barrier=landed)
                         T.barrier_arrive(landed)
                         T.barrier_wait(landed, 0)
                         if L_first < C:
@@ -441,32 +478,34 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                                     vr_s[L_first + i, d] = T.cast(0, dtype)
                                     do_s[L_first + i, d] = T.cast(0, dtype)
                                 for d in T.Parallel(K):
-                                    q_s[L_first + i, d] = T.cast(0, dtype)
-                                    k_s[L_first + i, d] = T.cast(0, dtype)
+                                    q_s[0, L_first + i, d] = T.cast(0, dtype)
+                                    k_s[0, L_first + i, d] = T.cast(0, dtype)
                             T.fence_proxy_async()
                         T.barrier_arrive(ready_a)
                         T.barrier_arrive(ready_b)
-                        T.barrier_arrive(ready_c)
-                    # every later chunk is whole
+                        T.barrier_arrive(ready_h)
+                        T.barrier_arrive(ready_c[0])
+                        if n_chunks > 1:  # the next chunk's slot is free
+                            load_qkg(q, k, gc, beta, q_s, k_s, g_s, b_s, ready_c, s0, n_chunks - 2, bh, bhv, 1)
+                    # every later chunk is whole. Each group is reloaded in the order the consumers
+                    # release them (dO early in a chunk, then Ag / vres, then h); q, k, G and beta
+                    # one chunk ahead, once both consumers are done with the chunk before
                     for cn in T.serial(n_chunks - 1):
                         cc = cn + 1
                         c = n_chunks - 1 - cc
                         t0 = s0 + c * C
-                        s = cc % 2
+                        T.barrier_wait(free_b, cn % 2)
+                        T.tma_copy(do[0, t0 : t0 + C, bhv, :], do_s, barrier=ready_b)
+                        T.barrier_arrive(ready_b)
                         T.barrier_wait(free_a, cn % 2)
-                        for i in T.Parallel(C):
-                            g_s[s, i] = gc[0, t0 + i, bhv]
-                            b_s[s, i] = beta[0, t0 + i, bhv]
                         T.tma_copy(ag[0, t0 : t0 + C, bhv, :], a_s, barrier=ready_a)
                         T.tma_copy(vres[0, t0 : t0 + C, bhv, :], vr_s, barrier=ready_a)
                         T.barrier_arrive(ready_a)
-                        T.barrier_wait(free_b, cn % 2)
-                        T.tma_copy(h[c_first + c, bhv, :, :], h_s, barrier=ready_b)
-                        T.tma_copy(do[0, t0 : t0 + C, bhv, :], do_s, barrier=ready_b)
-                        T.barrier_arrive(ready_b)
-                        T.barrier_wait(free_c, cn % 2)
-                        T.tma_copy(q[0, t0 : t0 + C, bh, :], q_s, barrier=ready_c)
-                        T.tma_copy(k[0, t0 : t0 + C, bh, :], k_s, barrier=ready_c)
-                        T.barrier_arrive(ready_c)
+                        T.barrier_wait(free_h, cn % 2)
+                        T.tma_copy(h[c_first + c, bhv, :, :], h_s, barrier=ready_h)
+                        T.barrier_arrive(ready_h)
+                        if cc + 1 < n_chunks:
+                            T.barrier_wait(free_c[1 - cc % 2], ((cc + 1) // 2 + 1) % 2)
+                            load_qkg(q, k, gc, beta, q_s, k_s, g_s, b_s, ready_c, s0, c - 1, bh, bhv, 1 - cc % 2)
 
     return gdn_bwd_fused_ws
