@@ -13,19 +13,24 @@ states h and vres come from the h walk. The work of a chunk is shared by three w
   operand, so dO needs no scaled copy in shared memory); and, from dvn, the 64 x 64 chain
   dAg = dvn vres^T, X = -(Ag^T dAg Ag^T) o Gam with its dG / dbeta sums (X o k k^T, dAg o Ag),
   published as the one tile X + X^T (strictly lower / upper: dk needs only (X + X^T) k).
-* grad (threads 128-255): P = q k^T (gated, causal) for the state warpgroup, v_new, Pm, dq,
-  dk's terms ((X + X^T) k with the state warpgroup's tile), the other dG sums, dg and dbeta.
-* loader (threads 256-383, one warp): the chunk's inputs in three groups (Ag, vres, G, beta /
-  h, dO / q, k), each reloaded by TMA as soon as both consumers have released it; q and k have
-  two slots, so the next chunk's are loaded while this one's are read (with one, the state
-  warpgroup waited for them at every chunk's start: ~23% of its samples in ncu).
+* grad (threads 128-255): v_new, Pm, dq, dk's terms ((X + X^T) k with the state warpgroup's
+  tile), the other dG sums, dg and dbeta; and P = q k^T (gated, causal) of the next chunk for the
+  state warpgroup, formed before this chunk's wait for X, so that the state warpgroup finds it
+  ready when it starts that chunk (formed after, the state warpgroup waited ~19% of its samples
+  for P, ncu). The grad warpgroup then issues nearly all the time: it sets the walk's pace.
+* loader (threads 256-383, one warp): the chunk's inputs in four groups (dO / Ag, vres / h /
+  q, k, G, beta), each reloaded by TMA, in that order, as soon as its consumers have released
+  it; q, k, G and beta have two slots and load a chunk ahead (the next chunk's P needs them).
 
 Hand-overs between the consumers, each a single shared buffer with a ready / free mbarrier pair:
 dS' (state -> grad), P (grad -> state), te and X + X^T (state -> grad; X's dG / dbeta sums go
-with it in r_s). The 64 x 64 chain sits with the state warpgroup so that both consumers stay busy
+with it in xr_s, two slots: the grad warpgroup reads them at its chunk's end, when the state
+warpgroup may be a chunk ahead). The 64 x 64 chain sits with the state warpgroup so that both consumers stay busy
 (given only the dS chain, the state warpgroup idled ~70% of the time). te and X + X^T are
 written over the state warpgroup's own tiles once it is done with them (dvn's, M's), and Pm over
 P's once the state warpgroup has read P: that shared memory holds the second q / k slot.
+ptxas (sm_90a) reports 92 bytes of spill stores; setting the two consumers' registers to 248 / 232 or
+240 / 240 spilled about as much.
 
 Registers (setmaxnreg): state 256, grad 224, loader 24; shared memory 224 KiB of the 227 a
 block may have (checked by the CPU lowering tests). Only the grad warpgroup may reduce across
