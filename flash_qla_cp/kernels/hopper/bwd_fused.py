@@ -25,12 +25,12 @@ states h and vres come from the h walk. The work of a chunk is shared by three w
 Hand-overs between the consumers, each a single shared buffer with a ready / free mbarrier pair:
 dS' (state -> grad), P (grad -> state), te and X + X^T (state -> grad; X's dG / dbeta sums go
 with it in xr_s, two slots: the grad warpgroup reads them at its chunk's end, when the state
-warpgroup may be a chunk ahead). The 64 x 64 chain sits with the state warpgroup so that both consumers stay busy
-(given only the dS chain, the state warpgroup idled ~70% of the time). te and X + X^T are
-written over the state warpgroup's own tiles once it is done with them (dvn's, M's), and Pm over
-P's once the state warpgroup has read P: that shared memory holds the second q / k slot.
-ptxas (sm_90a) reports 92 bytes of spill stores; setting the two consumers' registers to 248 / 232 or
-240 / 240 spilled about as much.
+warpgroup may be a chunk ahead). The 64 x 64 chain sits with the state warpgroup so that both
+consumers stay busy (given only the dS chain, the state warpgroup idled ~70% of the time). te
+and X + X^T are written over the state warpgroup's own tiles once it is done with them (dvn's,
+M's), and Pm over P's once the state warpgroup has read P: that shared memory holds the second
+slot of q and k. ptxas (sm_90a) reports 92 bytes of spill stores; setting the two consumers'
+registers to 248 / 232 or 240 / 240 spilled about as much.
 
 Registers (setmaxnreg): state 256, grad 224, loader 24; shared memory 224 KiB of the 227 a
 block may have (checked by the CPU lowering tests). Only the grad warpgroup may reduce across
