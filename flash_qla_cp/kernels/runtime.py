@@ -263,8 +263,8 @@ def _short_gil_turns():
     """Shorter GIL turns while this process compiles. TileLang's lowering runs in C++ with the GIL
     released but takes it back many times (its passes call into Python); each time another
     thread holds it, the lowering waits out that thread's whole turn. Beside one pure-Python
-    thread the fused backward walk's lowering took 44 s instead of 16 s at the default 5 ms turn,
-    17.5 s at 0.1 ms (2-core CPU machine, `tools/gil_turns.py`). Restored after the round."""
+    thread the fused backward walk's build (its builder and lowering) took 120 s at the default
+    5 ms, 25 s at 0.1 ms, 18 s alone (2-core CPU machine, `tools/gil_turns.py`). Restored after."""
     before = sys.getswitchinterval()
     sys.setswitchinterval(min(before, COMPILE_SWITCH_INTERVAL_S))
     try:
