@@ -13,6 +13,7 @@ import fcntl
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -220,7 +221,8 @@ def _precompile(specs, num_workers: int) -> int:
         # (a new configuration's first call waits here: tens of seconds when nothing is cached)
         log.info("%d TileLang kernel(s) to load from the disk cache %s or compile there", len(todo),
                  tilelang.env.TILELANG_CACHE_DIR)
-        launchers = _compile_in_pool(todo, num_workers)
+        with _short_gil_turns():
+            launchers = _compile_in_pool(todo, num_workers)
         for spec, launcher in zip(todo, launchers):
             _launchers[spec] = launcher
             _log_kernel(spec)
@@ -250,6 +252,25 @@ def _compile_in_pool(specs, num_workers: int) -> list:
         for future, i in futures.items():
             launchers[i] = future.result()
     return launchers
+
+
+# Python's thread switch interval during a compile round (the default is 5 ms)
+COMPILE_SWITCH_INTERVAL_S = 1e-4
+
+
+@contextlib.contextmanager
+def _short_gil_turns():
+    """Shorter GIL turns while this process compiles. TileLang's lowering runs in C++ with the GIL
+    released but takes it back many times (its passes call into Python); each time another
+    thread holds it, the lowering waits out that thread's whole turn. Beside one pure-Python
+    thread the fused backward walk's build (its builder and lowering) took 120 s at the default
+    5 ms, 25 s at 0.1 ms, 18 s alone (2-core CPU machine, `tools/gil_turns.py`). Restored after."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, COMPILE_SWITCH_INTERVAL_S))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def compiled(spec: KernelSpec) -> bool:

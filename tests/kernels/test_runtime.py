@@ -3,6 +3,7 @@ a GPU run writes and tools/precompile_cache.py reads back."""
 
 import importlib.util
 import pathlib
+import sys
 from unittest import mock
 
 import pytest
@@ -208,7 +209,8 @@ def test_a_plan_compiles_all_its_kernels_at_once_slow_lowering_first_on_first_us
 
 def test_a_failed_compile_in_a_round_raises_and_registers_nothing(monkeypatch, tmp_path):
     """One kernel of a round failing to compile: the error reaches the caller once the pool has
-    drained, no launcher of the round is kept (a later call compiles them again), the lock is free."""
+    drained, no launcher of the round is kept (a later call compiles them again), the lock is free,
+    and Python's thread switch interval, short while the round compiled, is back to what it was."""
     tilelang = pytest.importorskip("tilelang")
     from flash_qla_cp.kernels.backward import plan_backward
 
@@ -217,6 +219,7 @@ def test_a_failed_compile_in_a_round_raises_and_registers_nothing(monkeypatch, t
 
     def compile_stub(func, **kw):
         compiled.append(func.name)
+        assert sys.getswitchinterval() == pytest.approx(runtime.COMPILE_SWITCH_INTERVAL_S)  # short GIL turns
         if func.name == "build_bwd_dh_ws_kernel":
             raise RuntimeError("nvcc failed")
         return _FakeKernel(func)
@@ -226,9 +229,12 @@ def test_a_failed_compile_in_a_round_raises_and_registers_nothing(monkeypatch, t
     monkeypatch.setattr(runtime, "_launchers", {})
     monkeypatch.setattr(runtime, "_ready_plans", set())
     plan = plan_backward(2, 4, 128, 128, "bfloat16", 0.1, True, True, 1, 132)
+    before = sys.getswitchinterval()
+    assert before > runtime.COMPILE_SWITCH_INTERVAL_S
     with pytest.raises(RuntimeError, match="nvcc failed"):
         runtime.compile_plan(plan)
     assert sorted(compiled) == sorted(spec.name for spec in plan.specs())  # (the others still ran)
+    assert sys.getswitchinterval() == before  # (restored, though the round failed)
     assert runtime._launchers == {} and runtime._ready_plans == set()
     monkeypatch.setattr(tilelang, "compile", lambda func, **kw: _FakeKernel(func))
     runtime.compile_plan(plan)  # (a lock left held would hang here)
