@@ -339,7 +339,10 @@ def main():
               f"{time.time() - start:.0f} s", flush=True)
 
     tmp_tar = os.path.join(work, "tlcache.tar.xz")
-    subprocess.run(["tar", "-C", work, "-cJf", tmp_tar, "tlcache"], check=True)
+    # xz's largest dictionary finds what the kernels' files share: a 327-kernel cache packs into
+    # 12.6 MB instead of 27.2 with tar's default preset (device calls carry 64 MiB at most)
+    subprocess.run(["tar", "-C", work, "--exclude=.staging", "-I", "xz -9e -T0", "-cf", tmp_tar, "tlcache"],
+                   check=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.tar)), exist_ok=True)
     shutil.move(tmp_tar, args.tar)
     shutil.rmtree(work)
