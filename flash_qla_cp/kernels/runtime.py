@@ -260,9 +260,9 @@ COMPILE_SWITCH_INTERVAL_S = 1e-4
 
 @contextlib.contextmanager
 def _short_gil_turns():
-    """Shorter GIL turns while this process compiles. TileLang's lowering runs in C++ with the GIL
-    released but takes it back many times (its passes call into Python); each time another
-    thread holds it, the lowering waits out that thread's whole turn. Beside one pure-Python
+    """Shorter GIL turns while this process compiles. TileLang's kernel builders and lowering run
+    mostly in C++ with the GIL released but take it back many times; each time another thread
+    holds it, they wait out that thread's whole turn. Beside one pure-Python
     thread the fused backward walk's build (its builder and lowering) took 120 s at the default
     5 ms, 25 s at 0.1 ms, 18 s alone (2-core CPU machine, `tools/gil_turns.py`). Restored after."""
     before = sys.getswitchinterval()
