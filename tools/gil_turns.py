@@ -29,6 +29,7 @@ def main():
     os.environ["TILELANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="gil_turns_")
     sys.path.insert(0, ROOT)
     from flash_qla_cp.kernels.hopper.bwd_fused import build_bwd_fused_ws_kernel
+    from flash_qla_cp.kernels.hopper.common import pass_configs
     from flash_qla_cp.kernels.lowering import lower_for_cuda
 
     sys.setswitchinterval(args.interval)
@@ -44,7 +45,7 @@ def main():
     prim_func = build_bwd_fused_ws_kernel(H=16, HV=32, K=128, V=128, dtype="bfloat16", scale=128 ** -0.5,
                                           use_dht=True, store_dh0=True)
     built = time.perf_counter()
-    lower_for_cuda(prim_func)
+    lower_for_cuda(prim_func, configs=pass_configs(build_bwd_fused_ws_kernel))
     lowered = time.perf_counter()
     done.set()
     print(json.dumps({"interval_s": args.interval, "spinner": args.spinner, "cores": os.cpu_count(),

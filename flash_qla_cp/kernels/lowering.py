@@ -15,7 +15,7 @@ from ..reference.layer_steps import ProjectionLayout
 from .backward import plan_backward
 from .forward import gated_norm_key, plan_forward
 from .layer import plan_gated_norm, plan_layer_inputs
-from .hopper.common import default_pass_configs
+from .hopper.common import pass_configs
 from .runtime import KernelSpec
 
 # Shared memory one block may opt into on Hopper (sm_90: 227 KiB); a kernel asking for more
@@ -29,13 +29,15 @@ class LoweredKernel:
     shared_memory_bytes: int  # dynamic shared memory per block (0 if none)
 
 
-def lower_for_cuda(prim_func, arch: str = "sm_90a") -> LoweredKernel:
-    """Lower `prim_func` for `arch` (no GPU, no nvcc needed): its CUDA source and shared memory."""
+def lower_for_cuda(prim_func, arch: str = "sm_90a", configs: dict | None = None) -> LoweredKernel:
+    """Lower `prim_func` for `arch` (no GPU, no nvcc needed): its CUDA source and shared memory.
+    configs: TileLang's pass configuration (default `hopper.common.pass_configs()`; a spec's kernel
+    is compiled with `pass_configs(spec.factory)`)."""
     import tilelang
     import tvm
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
-    with tvm.transform.PassContext(opt_level=3, config=default_pass_configs()), target:
+    with tvm.transform.PassContext(opt_level=3, config=configs if configs is not None else pass_configs()), target:
         artifact = tilelang.lower(prim_func, target=target)
     smem = max((int(fn.attrs["dyn_shared_memory_buf"]) for fn in artifact.device_mod.functions.values()
                 if fn.attrs is not None and "dyn_shared_memory_buf" in fn.attrs), default=0)

@@ -17,13 +17,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 import torch
 
 from . import prim_func_store
-from .hopper.common import default_pass_configs, import_tilelang
+from .hopper.common import import_tilelang, pass_configs
 
 log = logging.getLogger(__name__)
 
@@ -237,18 +236,17 @@ def _compile_in_pool(specs, num_workers: int) -> list:
     first: a cold start's round lasts about as long as its slowest kernel's build, counted from
     when that kernel started."""
     tilelang, _ = import_tilelang()
-    compile_tilelang = partial(tilelang.compile, target="cuda", pass_configs=default_pass_configs())
 
-    def compile_one(prim_func):
-        return DirectLaunch(compile_tilelang(prim_func))
+    def compile_one(spec, prim_func):
+        return DirectLaunch(tilelang.compile(prim_func, target="cuda", pass_configs=pass_configs(spec.factory)))
 
     if len(specs) == 1:  # (in the calling thread, as a lone launch's compile always ran)
-        return [compile_one(prim_func_store.prim_func(specs[0]))]
+        return [compile_one(specs[0], prim_func_store.prim_func(specs[0]))]
     order = sorted(range(len(specs)), key=lambda i: not getattr(specs[i].factory, "lowers_slowly", False))
     launchers = [None] * len(specs)
     with concurrent.futures.ThreadPoolExecutor(max(1, min(num_workers, len(specs))), "flash-qla-cp-compile") as pool:
         # (TileLang's lowering releases the GIL and nvcc is a subprocess: threads run in parallel)
-        futures = {pool.submit(compile_one, prim_func_store.prim_func(specs[i])): i for i in order}
+        futures = {pool.submit(compile_one, specs[i], prim_func_store.prim_func(specs[i])): i for i in order}
         for future, i in futures.items():
             launchers[i] = future.result()
     return launchers

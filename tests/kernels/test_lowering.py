@@ -16,6 +16,7 @@ from flash_qla_cp.kernels import hopper  # noqa: E402
 from flash_qla_cp.kernels.backward import plan_backward  # noqa: E402
 from flash_qla_cp.kernels.hopper.bwd_grad import build_bwd_grad_group_kernel  # noqa: E402
 from flash_qla_cp.kernels.hopper.split_scan import build_partition_scan_kernel  # noqa: E402
+from flash_qla_cp.kernels.hopper.common import pass_configs  # noqa: E402
 from flash_qla_cp.kernels.lowering import MAX_SHARED_MEMORY_SM90, lower_for_cuda, lowering_cases  # noqa: E402
 from flash_qla_cp.kernels.runtime import KernelSpec  # noqa: E402
 from flash_qla_cp.kernels.split import SPLIT_MAX_HEAD_DIM, scan_block_v  # noqa: E402
@@ -35,7 +36,7 @@ def test_cases_reach_every_kernel_of_the_package():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_lower_kernel(case):
-    kernel = lower_for_cuda(case.spec.build(), arch="sm_90a")
+    kernel = lower_for_cuda(case.spec.build(), arch="sm_90a", configs=pass_configs(case.spec.factory))
     src = kernel.source
     # more shared memory than a block may have lowers and compiles, then fails at launch
     assert kernel.shared_memory_bytes <= MAX_SHARED_MEMORY_SM90, (case.name, kernel.shared_memory_bytes)
@@ -45,6 +46,9 @@ def test_lower_kernel(case):
     assert "atomic" not in src.lower(), f"{case.name}: atomics would break determinism"
     if case.spec.name == "build_bwd_fused_ws_kernel":
         assert_cross_warp_reductions_in_the_grad_warpgroup_only(src)
+    if getattr(case.spec.factory, "checks_own_bounds", False):
+        # TileLang's checks compare each global index with the tensor's dynamic length
+        assert "num_tokens" not in src, f"{case.name}: TileLang's bounds checks were not left out"
 
 
 def assert_cross_warp_reductions_in_the_grad_warpgroup_only(src):

@@ -49,10 +49,11 @@ dg, db [1,T,HV] fp32 (dg already reverse-cumsummed inside the chunk), dh0 [N0,HV
 (written when store_dh0). Padding rows of a partial chunk carry q = k = v = 0 and beta = 0.
 """
 
-from .common import CHUNK, LOG2E, import_tilelang, lowers_slowly, ordered_block, tl_dtype
+from .common import CHUNK, LOG2E, checks_own_bounds, import_tilelang, lowers_slowly, ordered_block, tl_dtype
 
 
 @lowers_slowly
+@checks_own_bounds
 def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
                               store_dh0: bool):
     """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; see the module docstring)."""
