@@ -19,10 +19,11 @@ buffers may be overwritten). Shared-memory writes read by wgmma are fenced to th
 before the barrier that publishes them.
 """
 
-from .common import CHUNK, LOG2E, import_tilelang, swizzle_read_tiles, tl_dtype
+from .common import CHUNK, LOG2E, checks_own_bounds, import_tilelang, swizzle_read_tiles, tl_dtype
 from .entries import fused_fwd_entry, ws_pieces
 
 
+@checks_own_bounds
 def build_fused_fwd_ws_kernel(
     H: int,
     HV: int,

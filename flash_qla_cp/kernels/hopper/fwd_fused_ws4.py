@@ -30,10 +30,11 @@ P into a tile of its own, issued at the start of the chunk; to make room for tha
 stays in registers as the A operand of the P v_new GEMM instead of going through shared memory.
 """
 
-from .common import CHUNK, LOG2E, import_tilelang, swizzle_read_tiles, tl_dtype
+from .common import CHUNK, LOG2E, checks_own_bounds, import_tilelang, swizzle_read_tiles, tl_dtype
 from .entries import fused_fwd_entry, ws_pieces
 
 
+@checks_own_bounds
 def build_fused_fwd_ws4_kernel(
     H: int,
     HV: int,

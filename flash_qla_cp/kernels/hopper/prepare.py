@@ -15,9 +15,10 @@ registers as the next MMA's A operand, so only F and the last factor pass throug
 # (no `from __future__ import annotations`: TileLang evaluates the kernel signatures)
 
 from ...constants import KERNEL_GATE_FLOOR
-from .common import CHUNK, LOG2E, import_tilelang, tl_dtype
+from .common import CHUNK, LOG2E, checks_own_bounds, import_tilelang, tl_dtype
 
 
+@checks_own_bounds
 def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, threads: int = 128,
                          inv_dtype: str = "float16", blocks_per_sm: int = 1):
     """PrimFunc computing G (cumsum of g) and Ag for every chunk and v-head.
