@@ -61,8 +61,8 @@ def checks_own_bounds(builder):
     """Marks a kernel builder whose global reads and writes are all in bounds by construction
     (stores guarded by the sequence's valid rows, clamped reads, TMA's zero fill past a tensor's
     end): its kernel is compiled without TileLang's bounds check around every global access. In
-    the fused backward walk those checks were a tenth of its instructions and doubled its spills
-    (ptxas, sm_90a)."""
+    the fused backward walk those checks were a tenth of its instructions (8208 of them against
+    7400 without, sm_90a SASS)."""
     builder.checks_own_bounds = True
     return builder
 
