@@ -19,6 +19,8 @@
 #   tune_layer tools/tune_layer.py: block sizes of the layer's kernels around the op (LAYER_SHAPES)
 #   tune_prepare  tools/tune_prepare.py: the prepare kernel's register caps (SHAPES)
 #   profile    tools/profile_kernels.py (SHAPES, INTRA, PROFILE_LIB)
+#   compare    tools/compare_trees.py: the kernels of this checkout ("main") and of each tree archived in
+#              .device/trees/NAME.tar.xz, profiled in turns on this GPU (SHAPES, INTRA, ROUNDS)
 #   profile_layer  tools/profile_layer.py: per-kernel time of the layer, ours and FLA's (LAYER_SHAPES, LIBS;
 #              PROFILE_ARGS=--compile: under torch.compile)
 #   host_timeline  tools/host_timeline.py (SHAPE, PASSES, TIMELINE_ARGS e.g. --profile)
@@ -75,6 +77,15 @@ for phase in "$@"; do
         timeout "${BENCH_TIMEOUT:-300}" python tools/host_timeline.py --out "$OUT/host_timeline_$pass" --pass "$pass" \
           ${SHAPE:+--shape "$SHAPE"} ${TIMELINE_ARGS:-} 2>&1 | grep -v TileLang | tail -45 | cut -c1-300
       done ;;
+    compare)
+      trees="main=$PWD"
+      for archive in .device/trees/*.tar.xz; do
+        [ -e "$archive" ] || continue
+        name=$(basename "$archive" .tar.xz)
+        mkdir -p "/tmp/trees/$name" && tar -xJf "$archive" -C "/tmp/trees/$name" && trees="$trees,$name=/tmp/trees/$name"
+      done
+      timeout "${BENCH_TIMEOUT:-500}" python tools/compare_trees.py --trees "$trees" ${SHAPES:+--shapes "$SHAPES"} \
+        ${INTRA:+--intra "$INTRA"} --rounds "${ROUNDS:-2}" --out "$OUT/compare" 2>&1 | grep '^{' | cut -c1-400 ;;
     ncu)  # per-instruction stall samples of one kernel (NCU_KERNEL) on one shape's fwd+bwd
       timeout 400 /usr/local/cuda/bin/ncu --section SpeedOfLight --section SourceCounters --section WarpStateStats \
         --import-source no -k "regex:${NCU_KERNEL:-gdn_bwd_fused_ws}" --launch-skip 1 --launch-count 1 -f -o "$OUT/${NCU_NAME:-ncu}" \
