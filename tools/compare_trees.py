@@ -58,13 +58,13 @@ def main():
     kernels = [k for k in args.kernels.split(",") if k]
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    scratch = tempfile.mkdtemp(prefix="compare_trees_")  # profile_kernels.py's own files
-    for round_ in range(1, args.rounds + 1):
-        for name, path in trees:
-            for entry in profile(path, args.shapes, args.intra, args.iters, scratch):
-                if entry["pass"] in passes:
-                    rows.append(summary(name, round_, entry, kernels))
-                    print(json.dumps(rows[-1]), flush=True)
+    with tempfile.TemporaryDirectory(prefix="compare_trees_") as scratch:  # profile_kernels.py's own files
+        for round_ in range(1, args.rounds + 1):
+            for name, path in trees:
+                for entry in profile(path, args.shapes, args.intra, args.iters, scratch):
+                    if entry["pass"] in passes:
+                        rows.append(summary(name, round_, entry, kernels))
+                        print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(args.out, "compare_trees.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

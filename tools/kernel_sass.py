@@ -25,17 +25,21 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 CUDA_BIN = "/usr/local/cuda/bin"
 
 
-def find_tool(name: str) -> str:
+def tool_path(name: str) -> str | None:
     """Path of a CUDA tool: on PATH, in the CUDA toolkit, or (cuobjdump) the copy Triton ships."""
-    found = shutil.which(name) or (os.path.join(CUDA_BIN, name) if os.path.exists(os.path.join(CUDA_BIN, name)) else None)
-    if found is None and name == "cuobjdump":
+    candidates = [shutil.which(name), os.path.join(CUDA_BIN, name)]
+    if name == "cuobjdump":
         try:
             import triton.backends.nvidia as nvidia_backend
 
-            bundled = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", name)
-            found = bundled if os.path.exists(bundled) else None
+            candidates.append(os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", name))
         except ImportError:
             pass
+    return next((path for path in candidates if path and os.path.exists(path)), None)
+
+
+def find_tool(name: str) -> str:
+    found = tool_path(name)
     if found is None:
         raise SystemExit(f"{name} not found (install a CUDA toolkit; `pip install \"tilelang[nvcc]\"` has nvcc)")
     return found
@@ -58,11 +62,9 @@ def measure(case, extra_configs: dict, workdir: str, shown_configs: dict | None 
     """Lower, build and disassemble one lowering case (shown_configs: --config as given, for the output)."""
     import tilelang
 
-    from flash_qla_cp.kernels.hopper.common import pass_configs
-    from flash_qla_cp.kernels.lowering import lower_for_cuda
+    from flash_qla_cp.kernels.lowering import lower_spec
 
-    configs = {**pass_configs(case.spec.factory), **extra_configs}
-    kernel = lower_for_cuda(case.spec.build(), configs=configs)
+    kernel = lower_spec(case.spec, extra_configs=extra_configs)
     source = os.path.join(workdir, "kernel.cu")
     cubin = os.path.join(workdir, "kernel.cubin")
     with open(source, "w") as f:

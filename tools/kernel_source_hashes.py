@@ -27,11 +27,10 @@ def _key(spec) -> str:
 
 
 def _hash(index: int):
-    from flash_qla_cp.kernels.hopper.common import pass_configs
-    from flash_qla_cp.kernels.lowering import lower_for_cuda, lowering_cases
+    from flash_qla_cp.kernels.lowering import lower_spec, lowering_cases
 
     spec = lowering_cases()[index].spec
-    lowered = lower_for_cuda(spec.build(), configs=pass_configs(spec.factory))
+    lowered = lower_spec(spec)
     return _key(spec), hashlib.sha256(normalised(lowered.source).encode()).hexdigest(), lowered.shared_memory_bytes
 
 

@@ -31,8 +31,8 @@ class LoweredKernel:
 
 def lower_for_cuda(prim_func, arch: str = "sm_90a", configs: dict | None = None) -> LoweredKernel:
     """Lower `prim_func` for `arch` (no GPU, no nvcc needed): its CUDA source and shared memory.
-    configs: TileLang's pass configuration (default `hopper.common.pass_configs()`; a spec's kernel
-    is compiled with `pass_configs(spec.factory)`)."""
+    configs: TileLang's pass configuration (default `hopper.common.pass_configs()`; `lower_spec`
+    lowers a spec's kernel with its own)."""
     import tilelang
     import tvm
 
@@ -42,6 +42,12 @@ def lower_for_cuda(prim_func, arch: str = "sm_90a", configs: dict | None = None)
     smem = max((int(fn.attrs["dyn_shared_memory_buf"]) for fn in artifact.device_mod.functions.values()
                 if fn.attrs is not None and "dyn_shared_memory_buf" in fn.attrs), default=0)
     return LoweredKernel(artifact.kernel_source, smem)
+
+
+def lower_spec(spec: KernelSpec, arch: str = "sm_90a", extra_configs: dict | None = None) -> LoweredKernel:
+    """Lower a spec's kernel as the runtime compiles it: with its builder's pass configuration
+    (`pass_configs(spec.factory)`), changed by `extra_configs`."""
+    return lower_for_cuda(spec.build(), arch, {**pass_configs(spec.factory), **(extra_configs or {})})
 
 
 def lower_to_cuda_source(prim_func, arch: str = "sm_90a") -> str:

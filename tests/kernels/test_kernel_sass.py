@@ -1,9 +1,7 @@
 """tools/kernel_sass.py: a kernel built as the device builds it (sm_90a cubin, no GPU), with its
 registers, spills and SASS instruction count. Skipped without tilelang or nvcc."""
 
-import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -15,7 +13,7 @@ sys.path.insert(0, str(TOOLS))
 
 import kernel_sass  # noqa: E402
 
-if not (shutil.which("nvcc") or os.path.exists(os.path.join(kernel_sass.CUDA_BIN, "nvcc"))):
+if kernel_sass.tool_path("nvcc") is None:
     pytest.skip("no nvcc", allow_module_level=True)
 
 

@@ -16,8 +16,8 @@ from flash_qla_cp.kernels import hopper  # noqa: E402
 from flash_qla_cp.kernels.backward import plan_backward  # noqa: E402
 from flash_qla_cp.kernels.hopper.bwd_grad import build_bwd_grad_group_kernel  # noqa: E402
 from flash_qla_cp.kernels.hopper.split_scan import build_partition_scan_kernel  # noqa: E402
-from flash_qla_cp.kernels.hopper.common import pass_configs  # noqa: E402
-from flash_qla_cp.kernels.lowering import MAX_SHARED_MEMORY_SM90, lower_for_cuda, lowering_cases  # noqa: E402
+from flash_qla_cp.kernels.lowering import (MAX_SHARED_MEMORY_SM90, lower_for_cuda, lower_spec,  # noqa: E402
+                                           lowering_cases)
 from flash_qla_cp.kernels.runtime import KernelSpec  # noqa: E402
 from flash_qla_cp.kernels.split import SPLIT_MAX_HEAD_DIM, scan_block_v  # noqa: E402
 
@@ -36,7 +36,7 @@ def test_cases_reach_every_kernel_of_the_package():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_lower_kernel(case):
-    kernel = lower_for_cuda(case.spec.build(), arch="sm_90a", configs=pass_configs(case.spec.factory))
+    kernel = lower_spec(case.spec, arch="sm_90a")
     src = kernel.source
     # more shared memory than a block may have lowers and compiles, then fails at launch
     assert kernel.shared_memory_bytes <= MAX_SHARED_MEMORY_SM90, (case.name, kernel.shared_memory_bytes)
@@ -92,7 +92,7 @@ def test_wide_heads_backward_fits_only_without_the_grad_kernel(spec):
     at block_v 32: at K = V = 256 the grad kernel, and the dh walk at block_v 64, need more shared
     memory than a block may have (the H200 refused that dh walk). Should the grad kernel come to
     fit, this fails: use it there."""
-    assert lower_for_cuda(spec.build()).shared_memory_bytes > MAX_SHARED_MEMORY_SM90, spec.name
+    assert lower_spec(spec).shared_memory_bytes > MAX_SHARED_MEMORY_SM90, spec.name
 
 
 @pytest.mark.parametrize("K, V", [(128, 256), (256, 128)])
@@ -101,5 +101,5 @@ def test_wide_path_walks_fit(K, V):
     among the lowering cases; a head dim below 128 only shrinks the walks' tiles)."""
     wide = plan_backward(2, 4, K, V, "bfloat16", K**-0.5, True, True, 1, 132)
     for spec in (wide.h_walk, wide.dh_walk):
-        smem = lower_for_cuda(spec.build()).shared_memory_bytes
+        smem = lower_spec(spec).shared_memory_bytes
         assert smem <= MAX_SHARED_MEMORY_SM90, (spec.name, K, V, smem)
