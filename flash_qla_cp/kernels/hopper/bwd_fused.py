@@ -14,27 +14,34 @@ states h and vres come from the h walk. The work of a chunk is shared by three w
   dAg = dvn vres^T, X = -(Ag^T dAg Ag^T) o Gam with its dG / dbeta sums (X o k k^T, dAg o Ag),
   published as the one tile X + X^T (strictly lower / upper: dk needs only (X + X^T) k).
 * grad (threads 128-255): v_new, Pm, dq, dk's terms ((X + X^T) k with the state warpgroup's
-  tile), the other dG sums, dg and dbeta; and P = q k^T (gated, causal) of the next chunk for the
+  tile) and the other dG sums; and P = q k^T (gated, causal) of the next chunk for the
   state warpgroup, formed before this chunk's wait for X, so that the state warpgroup finds it
   ready when it starts that chunk (formed after, the state warpgroup waited ~19% of its samples
   for P, ncu). The grad warpgroup then issues nearly all the time: it sets the walk's pace.
-* loader (threads 256-383, one warp): the chunk's inputs in four groups (dO / Ag, vres / h /
+* loader (threads 256-287, one warp): the chunk's inputs in four groups (dO / Ag, vres / h /
   q, k, G, beta), each reloaded by TMA, in that order, as soon as its consumers have released
   it; q, k, G and beta have two slots and load a chunk ahead (the next chunk's P needs them).
+* tail (threads 288-351, two warps of the loader's warpgroup): dg and dbeta of a chunk from the
+  row sums the other two leave in shared memory (its reverse cumulative sum by warp shuffles),
+  while the grad warpgroup goes on with the next chunk: in the grad warpgroup that step took
+  ~9.6% of the walk (H100, timed by deleting it).
 
 Hand-overs between the consumers, each a single shared buffer with a ready / free mbarrier pair:
 dS' (state -> grad), P (grad -> state), te and X + X^T (state -> grad; X's dG / dbeta sums go
-with it in xr_s, two slots: the grad warpgroup reads them at its chunk's end, when the state
-warpgroup may be a chunk ahead). The 64 x 64 chain sits with the state warpgroup so that both
+with it in xr_s), the row sums (grad -> tail, with xr_s; two slots of each, one per chunk
+parity: the tail reads a chunk's while the others work on the next; each slot is written again
+only once the tail has released it). The 64 x 64 chain sits with the state warpgroup so that both
 consumers stay busy (given only the dS chain, the state warpgroup idled ~70% of the time). te
 and X + X^T are written over the state warpgroup's own tiles once it is done with them (dvn's,
 M's), and Pm over P's once the state warpgroup has read P: that shared memory holds the second
-slot of q and k. ptxas (sm_90a) reports 92 bytes of spill stores; setting the two consumers'
-registers to 248 / 232 or 240 / 240 spilled about as much.
+slot of q and k.
 
-Registers (setmaxnreg): state 256, grad 224, loader 24; shared memory 224 KiB of the 227 a
-block may have (checked by the CPU lowering tests). Only the grad warpgroup may reduce across
-warps: TileLang's cross-warp reduction syncs on fixed named barriers (1 and 2), so two
+Registers (setmaxnreg): state 256, grad 224, loader and tail 24 (the three sum to the 3 x 168
+the block launches with: more would leave an increase waiting forever); ptxas (sm_90a) reports
+112 bytes of spill stores, 44 of them the tail's at 24 registers (with 32: 68 bytes in all);
+setting the two consumers' registers to 248 / 232 or 240 / 240 spilled about as much. Shared
+memory 225 KiB of the 227 a block may have (checked by the CPU lowering tests). Only the grad
+warpgroup may reduce across warps: TileLang's cross-warp reduction syncs on fixed named barriers (1 and 2), so two
 warpgroups reducing at once would meet at the same barrier.
 Only the walk's first chunk (a sequence's or partition's last) can be partial; the loader zeroes
 its rows >= L after the TMA copies land, so no product needs more masks than the causal ones.
@@ -68,6 +75,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
     # registers per thread (setmaxnreg; 128 x (state + grad + loader) <= 64K)
     STATE_REGS, GRAD_REGS, LOADER_REGS = 256, 224, 24
     RS = 16  # rows per slice of the <S, dS'> reduction
+    TAIL = 2 * WG + 32  # the first of the dG tail's 64 threads (two warps of the loader's warpgroup)
+    TAIL_BARRIER = 8  # their named barrier (TileLang's own syncs use ids 0-4 here)
 
     Ttot = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -158,16 +167,17 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             # warpgroup reads a chunk's at its end, when the state warpgroup may be a chunk ahead):
             # 0 colsum(dAg o Ag), 1 / 2 row / col of X o kk^T
             xr_s = T.alloc_shared((2, 3, C), acc)
-            # the grad's: 0 / 1 row / col of Pm o qk^T, 2 the q term, 3 the -E t S^T term, 4 the
-            # v_new dS'^T term (the dG step adds <S, dS'>'s row-slice sums to its first RS)
-            r_s = T.alloc_shared((5, C), acc)
+            # the grad's row terms of dG, one slot per chunk parity (the tail reads a chunk's while the
+            # grad warpgroup works on the next): 0 / 1 row / col of Pm o qk^T, 2 the q term, 3 the
+            # -E t S^T term, 4 the v_new dS'^T term
+            r_s = T.alloc_shared((2, 5, C), acc)
+            hrow_s = T.alloc_shared((2, RS), acc)  # exp(GL) <S, dS'>'s row-slice sums
+            wt_s = T.alloc_shared((2, 4), acc)  # the tail's warp totals: suffix sums, then c
             # the state warpgroup's, each handed to the grad warpgroup at the end of its use
             dvn_s = T.alloc_shared((C, V), dtype)  # dvn, then te = -exp(G) t (-> grad)
             da_s = T.alloc_shared((C, C), dtype)  # dAg, then dAg Ag^T, then X + X^T (-> grad)
             # private to the grad warpgroup
             vn_s = T.alloc_shared((C, V), dtype)  # v_new
-            dg_s = T.alloc_shared((C,), acc)
-            hrow_s = T.alloc_shared((RS,), acc)  # row-slice sums of <S, dS'>
 
             # state warpgroup
             ds_f = T.alloc_fragment((K, V), acc)
@@ -183,7 +193,6 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             # grad warpgroup
             qk_f = T.alloc_fragment((C, C), acc)
             cc_f = T.alloc_fragment((C, C), acc)
-            rc_f = T.alloc_fragment((C, C), acc)
             x_f = T.alloc_fragment((C, C), acc)
             vn_f = T.alloc_fragment((C, V), acc)
             acc_f = T.alloc_fragment((C, K), acc)  # dq, then dk
@@ -197,9 +206,11 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             q_term_f = T.alloc_fragment((C,), acc)
             te_term_f = T.alloc_fragment((C,), acc)
             vn_term_f = T.alloc_fragment((C,), acc)
-            dg_f = T.alloc_fragment((C,), acc)
             col_f = T.alloc_fragment((C,), acc)
             glast_g = T.alloc_var(acc)
+            # the dG tail's (one thread per row)
+            dg_v = T.alloc_var(acc)
+            c_v = T.alloc_var(acc)
 
             landed = T.alloc_barrier(arrive_count=32)  # the walk's first tiles (the loader waits)
             ready_a = T.alloc_barrier(arrive_count=32)  # the loader warp's arrivals + TMA bytes
@@ -209,7 +220,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             free_a = T.alloc_barrier(arrive_count=2 * WG)  # both consumers are done with a group
             free_b = T.alloc_barrier(arrive_count=2 * WG)
             free_h = T.alloc_barrier(arrive_count=WG)  # h: the grad warpgroup's alone
-            free_c = T.alloc_barrier(arrive_count=[2 * WG, 2 * WG])
+            free_c = T.alloc_barrier(arrive_count=[2 * WG + C, 2 * WG + C])  # consumers and the tail (beta)
             ds_ready = T.alloc_barrier(arrive_count=WG)
             ds_free = T.alloc_barrier(arrive_count=WG)
             p_ready = T.alloc_barrier(arrive_count=WG)
@@ -218,6 +229,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             x_free = T.alloc_barrier(arrive_count=WG)
             te_ready = T.alloc_barrier(arrive_count=WG)
             te_free = T.alloc_barrier(arrive_count=WG)
+            tail_ready = T.alloc_barrier(arrive_count=[WG, WG])  # a chunk's r_s / hrow_s slot (grad -> tail)
+            tail_free = T.alloc_barrier(arrive_count=[C, C])  # the tail is done with a slot of r_s and xr_s
 
             tx = T.get_thread_binding()
 
@@ -283,6 +296,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     for i, j in T.Parallel(C, C):
                         sd_f[i, j] = T.if_then_else(j >= i, sd_f[i, j], T.float32(0))
                     T.reduce_sum(sd_f, sdrow_f, dim=1)
+                    T.barrier_wait(tail_free[s], (cc // 2 + 1) % 2)  # the tail has read chunk cc - 2's
                     T.copy(sdrow_f, xr_s[s, 0, :])
                     # t = Ag^T dvn (= dv), dvn's last use; te = -exp(G) t over dvn in its tile, for the
                     # grad warpgroup and the update's k^T te
@@ -364,8 +378,9 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     # pairs (the unbatched sum took ~22% of this warpgroup's time, ncu); 8, not 16:
                     # its workspace (batch x 128 floats) has to fit in what shared memory is left
                     T.reduce_sum(x_f, col_f, dim=0, batch=8)
-                    T.copy(pmqk_row_f, r_s[0, :])
-                    T.copy(col_f, r_s[1, :])
+                    T.barrier_wait(tail_free[s], (cc // 2 + 1) % 2)  # the tail has read chunk cc - 2's
+                    T.copy(pmqk_row_f, r_s[s, 0, :])
+                    T.copy(col_f, r_s[s, 1, :])
                     # dq = scale E dO S^T + Pm k
                     T.barrier_wait(ready_h, ph)
                     T.gemm(do_s, h_s, acc_f, transpose_B=True, clear_accum=True)
@@ -375,7 +390,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     for i, d in T.Parallel(C, K):
                         tmp_f[i, d] = acc_f[i, d] * q_s[s, i, d]
                     T.reduce_sum(tmp_f, q_term_f, dim=1)
-                    T.copy(q_term_f, r_s[2, :])
+                    T.copy(q_term_f, r_s[s, 2, :])
                     T.gemm(p_s, k_s[s, :, :], acc_f)
                     for i, d in T.Parallel(C, K):
                         if i < L:
@@ -389,7 +404,9 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         for i, d in T.Parallel(RS, V):
                             hd_f[i, d] += T.cast(h_s[sl * RS + i, d], acc) * T.cast(dh_s[sl * RS + i, d], acc)
                     T.reduce_sum(hd_f, hrow_f, dim=1)
-                    T.copy(hrow_f, hrow_s)
+                    for i in T.Parallel(RS):
+                        hrow_f[i] = hrow_f[i] * T.exp2(glast_g * LOG2E)
+                    T.copy(hrow_f, hrow_s[s, :])
                     T.gemm(vn_s, dh_s, tmp_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(ds_free)
                     for i, d in T.Parallel(C, K):
@@ -399,7 +416,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     for i, d in T.Parallel(C, K):
                         tmp_f[i, d] = tmp_f[i, d] * k_s[s, i, d]
                     T.reduce_sum(tmp_f, vn_term_f, dim=1)
-                    T.copy(vn_term_f, r_s[4, :])
+                    T.copy(vn_term_f, r_s[s, 4, :])
                     # the next chunk's P (Pm's last read was the GEMM above)
                     if cc + 1 < n_chunks:
                         T.barrier_wait(ready_c[1 - s], ((cc + 1) // 2) % 2)
@@ -418,38 +435,12 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     for i, d in T.Parallel(C, K):
                         tmp_f[i, d] = tmp_f[i, d] * k_s[s, i, d]
                     T.reduce_sum(tmp_f, te_term_f, dim=1)
-                    T.copy(te_term_f, r_s[3, :])
+                    T.copy(te_term_f, r_s[s, 3, :])
                     for i, d in T.Parallel(C, K):
                         if i < L:
                             dk_part[0, t0 + i, bhv, d] = acc_f[i, d]
-                    # dG and dbeta. dg[i] = sum_{j >= i} d[j] + c: d the row terms, c the last valid
-                    # row's scalar terms (exp(GL) <S, dS'> and the sum of the v_new terms), which
-                    # reach every row i < L. c enters as a row summed whole: the v_new terms (r_s[4])
-                    # plus <S, dS'>'s row-slice sums; no reduction to a scalar (each costs ~0.7 s
-                    # of TileLang's layout inference)
-                    for i in T.Parallel(C):
-                        dg_s[i] = (r_s[2, i] + r_s[3, i] - r_s[4, i] + r_s[0, i] - r_s[1, i] + xr_s[s, 1, i]
-                                   - xr_s[s, 2, i])
-                    for i in T.Parallel(RS):
-                        r_s[4, i] = r_s[4, i] + hrow_s[i] * T.exp2(glast_g * LOG2E)
-                    # the reverse cumsum as a masked row sum (T.cumsum's scan indexes threads from 0,
-                    # TileLang 0.1.15 scan.h, and would skip this warpgroup's threads 128-255), in a
-                    # fragment of its own: sharing cc_f joined it to P's and Pm's loops in one
-                    # layout-inference component (~3.5 s more lowering)
-                    for i, j in T.Parallel(C, C):
-                        rc_f[i, j] = dg_s[j]
-                    for i, j in T.Parallel(C, C):
-                        rc_f[i, j] = T.if_then_else(j >= i, rc_f[i, j], T.float32(0))
-                    for i, j in T.Parallel(C, C):
-                        rc_f[i, j] = rc_f[i, j] + r_s[4, j]
-                    T.reduce_sum(rc_f, dg_f, dim=1)
-                    for i in T.Parallel(C):
-                        if i < L:
-                            dg[0, t0 + i, bhv] = dg_f[i]
-                            db[0, t0 + i, bhv] = T.if_then_else(
-                                b_s[s, i] != T.float32(0), (xr_s[s, 1, i] + xr_s[s, 0, i]) / b_s[s, i], T.float32(0)
-                            )
-                    T.barrier_arrive(free_c[s])  # q, k, G and beta
+                    T.barrier_arrive(tail_ready[s])  # dG and dbeta: the tail warps
+                    T.barrier_arrive(free_c[s])  # q, k, G and beta (the tail still reads beta)
             else:
                 # ---------------- loader: one warp ----------------
                 T.set_max_nreg(LOADER_REGS, 0)
@@ -513,5 +504,38 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         if cc + 1 < n_chunks:
                             T.barrier_wait(free_c[1 - cc % 2], ((cc + 1) // 2 + 1) % 2)
                             load_qkg(q, k, gc, beta, q_s, k_s, g_s, b_s, ready_c, s0, c - 1, bh, bhv, 1 - cc % 2)
+                elif tx < TAIL + C:
+                    # dG and dbeta, a thread per row, off the grad warpgroup's path. dg[i] =
+                    # sum_{j >= i} d[j] + c: d the grad's and the state's row terms, c the sum over the
+                    # chunk of the last valid row's scalar terms (exp(GL) <S, dS'> and the v_new
+                    # terms), which reach every row i < L. The suffix sum runs in each warp by
+                    # shuffles; the first warp adds the second's total, both add c (via wt_s)
+                    row = tx - TAIL
+                    lane = row % 32
+                    for cc in T.serial(n_chunks):
+                        c = n_chunks - 1 - cc
+                        t0 = s0 + c * C
+                        L = T.min(seq_len - c * C, C)
+                        s = cc % 2
+                        T.barrier_wait(tail_ready[s], (cc // 2) % 2)
+                        dg_v = (r_s[s, 2, row] + r_s[s, 3, row] - r_s[s, 4, row] + r_s[s, 0, row] - r_s[s, 1, row]
+                                + xr_s[s, 1, row] - xr_s[s, 2, row])
+                        c_v = r_s[s, 4, row] + T.if_then_else(row < RS, hrow_s[s, T.min(row, RS - 1)], T.float32(0))
+                        for sh in T.unroll(5):
+                            shifted = T.shfl_down(dg_v, 1 << sh)
+                            dg_v = dg_v + T.if_then_else(lane + (1 << sh) < 32, shifted, T.float32(0))
+                        c_v = T.warp_reduce_sum(c_v)
+                        if lane == 0:
+                            wt_s[s, row // 32] = dg_v
+                            wt_s[s, 2 + row // 32] = c_v
+                        T.sync_threads(TAIL_BARRIER, C)
+                        dg_v = dg_v + T.if_then_else(row < 32, wt_s[s, 1], T.float32(0)) + wt_s[s, 2] + wt_s[s, 3]
+                        if row < L:
+                            dg[0, t0 + row, bhv] = dg_v
+                            db[0, t0 + row, bhv] = T.if_then_else(
+                                b_s[s, row] != T.float32(0), (xr_s[s, 1, row] + xr_s[s, 0, row]) / b_s[s, row],
+                                T.float32(0))
+                        T.barrier_arrive(tail_free[s])
+                        T.barrier_arrive(free_c[s])
 
     return gdn_bwd_fused_ws
