@@ -17,13 +17,14 @@ counting the first sequence's positions from K - 1 (elsewhere positions start at
 history is never read).
 """
 
-from .common import import_tilelang, tl_dtype
+from .common import checks_own_bounds, import_tilelang, tl_dtype
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_LINEAR_ABOVE = 20.0  # torch's softplus threshold: softplus(x) = x above it
 WINDOW_ROWS = 16  # the backward's conv window ahead of a tile (conv_size - 1 <= 15), and the limit of both
 
 
+@checks_own_bounds  # P's tile by TMA or TileLang's predicated copy; the rest clamped or guarded by row
 def build_layer_inputs_kernel(H: int, HV: int, dk: int, dv: int, width: int, q_offset: int, q_head_stride: int,
                               k_offset: int, k_head_stride: int, v_offset: int, v_head_stride: int, b_offset: int,
                               b_head_stride: int, a_offset: int, a_head_stride: int, conv_size: int, dtype: str,
