@@ -445,7 +445,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             else:
                 # ---------------- loader: one warp ----------------
                 T.set_max_nreg(LOADER_REGS, 0)
-                if tx < 2 * WG + 32:
+                if tx < TAIL:
                     if n_chunks > 0:
                         # the walk's first chunk (the sequence's last, the only one that can be
                         # partial)
