@@ -109,7 +109,7 @@ def main():
     cuda_target._detect_torch_cuda_arch = lambda: args.arch  # what target="cuda" resolves to on the device
     from precompile_cache import layer_shape_specs
 
-    from flash_qla_cp.kernels.hopper.common import pass_configs
+    from flash_qla_cp.kernels.runtime import compile_spec
 
     if args.first_call:
         seconds, rounds = first_call(args.shape)
@@ -123,7 +123,7 @@ def main():
     for spec in specs:
         with PassClock() as clock:
             start = time.perf_counter()
-            tilelang.compile(spec.build(), target="cuda", pass_configs=pass_configs(spec.factory))
+            compile_spec(spec, spec.build())
             total = time.perf_counter() - start
         row = {"kernel": spec.factory.__name__, "params": dict(spec.kwargs), "total_s": round(total, 1),
                "lowering_s": round(clock.outermost, 1), "rest_s": round(total - clock.outermost, 1),

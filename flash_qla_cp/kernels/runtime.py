@@ -229,16 +229,21 @@ def _precompile(specs, num_workers: int) -> int:
     return len(todo)
 
 
+def compile_spec(spec: KernelSpec, prim_func):
+    """TileLang's compiled kernel of `prim_func` (the spec's PrimFunc), with the pass
+    configuration of the spec's builder (`hopper.common.pass_configs`)."""
+    tilelang, _ = import_tilelang()
+    return tilelang.compile(prim_func, target="cuda", pass_configs=pass_configs(spec.factory))
+
+
 def _compile_in_pool(specs, num_workers: int) -> list:
     """The specs' launchers (compiled, their modules loaded). Each PrimFunc goes to the pool as
     soon as it is built (its builder runs here, in Python: ~2 s for a layer's 15 kernels when
     none is saved), the slow lowering ones (`hopper.common.lowers_slowly`) built and started
     first: a cold start's round lasts about as long as its slowest kernel's build, counted from
     when that kernel started."""
-    tilelang, _ = import_tilelang()
-
     def compile_one(spec, prim_func):
-        return DirectLaunch(tilelang.compile(prim_func, target="cuda", pass_configs=pass_configs(spec.factory)))
+        return DirectLaunch(compile_spec(spec, prim_func))
 
     if len(specs) == 1:  # (in the calling thread, as a lone launch's compile always ran)
         return [compile_one(specs[0], prim_func_store.prim_func(specs[0]))]
