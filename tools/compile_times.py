@@ -103,7 +103,6 @@ def main():
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import tilelang
     import tilelang.cuda.target as cuda_target
 
     cuda_target._detect_torch_cuda_arch = lambda: args.arch  # what target="cuda" resolves to on the device
