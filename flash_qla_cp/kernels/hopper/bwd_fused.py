@@ -38,7 +38,7 @@ slot of q and k.
 
 Registers (setmaxnreg): state 256, grad 224, loader and tail 24 (the three sum to the 3 x 168
 the block launches with: more would leave an increase waiting forever); ptxas (sm_90a) reports
-112 bytes of spill stores, 44 of them the tail's at 24 registers (with 32: 68 bytes in all);
+76 bytes of spill stores, 44 of them the tail's at 24 registers;
 setting the two consumers' registers to 248 / 232 or 240 / 240 spilled about as much. Shared
 memory 225 KiB of the 227 a block may have (checked by the CPU lowering tests). Only the grad
 warpgroup may reduce across warps: TileLang's cross-warp reduction syncs on fixed named barriers
@@ -96,12 +96,11 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
         T.copy(row, out)
 
     @T.macro
-    def form_p(q_s, k_s, g_s, qk_f, cc_f, p_s, p_ready, slot):
-        # P = scale tril_incl(q k^T o Gam) of the chunk in q / k / G slot `slot`, for the state
-        # warpgroup (q k^T stays in qk_f for the grad warpgroup's Pm o q k^T). Gate, mask, store
-        # in loops of their own (the elementwise rule, hopper/common.py); G falls along the
-        # chunk, so the clamp changes only masked entries.
-        T.gemm(q_s[slot, :, :], k_s[slot, :, :], qk_f, transpose_B=True, clear_accum=True)
+    def gate_p(g_s, qk_f, cc_f, p_s, p_ready, slot):
+        # P = scale tril_incl(q k^T o Gam) of the chunk in q / k / G slot `slot` from its q k^T in
+        # qk_f, for the state warpgroup (q k^T stays in qk_f for the grad warpgroup's Pm o q k^T).
+        # Gate, mask, store in loops of their own (the elementwise rule, hopper/common.py); G
+        # falls along the chunk, so the clamp changes only masked entries.
         for i, j in T.Parallel(C, C):
             cc_f[i, j] = qk_f[i, j] * T.exp2(T.min(g_s[slot, i] - g_s[slot, j], T.float32(0)) * LOG2E) * scale
         for i, j in T.Parallel(C, C):
@@ -348,7 +347,8 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                 # starts its next chunk
                 if n_chunks > 0:
                     T.barrier_wait(ready_c[0], 0)
-                    form_p(q_s, k_s, g_s, qk_f, cc_f, p_s, p_ready, 0)
+                    T.gemm(q_s[0, :, :], k_s[0, :, :], qk_f, transpose_B=True, clear_accum=True)
+                    gate_p(g_s, qk_f, cc_f, p_s, p_ready, 0)
                 for cc in T.serial(n_chunks):
                     c = n_chunks - 1 - cc
                     t0 = s0 + c * C
@@ -363,7 +363,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.copy(vn_f, vn_s)
                     T.fence_proxy_async()
                     # Pm = scale tril_incl(dO v_new^T o Gam) -> p_s once the state warpgroup has read P;
-                    # Pm o q k^T feeds dG (qk_f: this chunk's q k^T, from form_p)
+                    # Pm o q k^T feeds dG (qk_f: this chunk's q k^T, formed a chunk ahead)
                     T.barrier_wait(ready_b, ph)
                     T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
@@ -374,6 +374,10 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.barrier_wait(p_free, ph)
                     T.copy(cc_f, p_s)
                     T.fence_proxy_async()
+                    # dq = scale E dO S^T + Pm k: dO S^T in flight with the sums of Pm o q k^T (this
+                    # warpgroup sets the walk's pace: a synchronous product leaves it idle)
+                    T.barrier_wait(ready_h, ph)
+                    T.wgmma_gemm(do_s, h_s, acc_f, transpose_B=True, clear_accum=True)
                     T.reduce_sum(x_f, pmqk_row_f, dim=1)
                     # batched: two barrier pairs for the 16 columns a thread holds instead of 16
                     # pairs (the unbatched sum took ~22% of this warpgroup's time, ncu); 8, not 16:
@@ -382,17 +386,19 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.barrier_wait(tail_free[s], (cc // 2 + 1) % 2)  # the tail has read chunk cc - 2's
                     T.copy(pmqk_row_f, r_s[s, 0, :])
                     T.copy(col_f, r_s[s, 1, :])
-                    # dq = scale E dO S^T + Pm k
-                    T.barrier_wait(ready_h, ph)
-                    T.gemm(do_s, h_s, acc_f, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc_f, num_regs=C * K // WG)  # no read of acc_f before the wait
                     T.barrier_arrive(free_b)
                     for i, d in T.Parallel(C, K):
                         acc_f[i, d] = acc_f[i, d] * (T.exp2(g_s[s, i] * LOG2E) * scale)
                     for i, d in T.Parallel(C, K):
                         tmp_f[i, d] = acc_f[i, d] * q_s[s, i, d]
+                    # Pm k in flight with the q term's row sums
+                    T.wgmma_gemm(p_s, k_s[s, :, :], acc_f)
                     T.reduce_sum(tmp_f, q_term_f, dim=1)
                     T.copy(q_term_f, r_s[s, 2, :])
-                    T.gemm(p_s, k_s[s, :, :], acc_f)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc_f, num_regs=C * K // WG)
                     for i, d in T.Parallel(C, K):
                         if i < L:
                             dq_part[0, t0 + i, bhv, d] = acc_f[i, d]
@@ -410,6 +416,11 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.copy(hrow_f, hrow_s[s, :])
                     T.gemm(vn_s, dh_s, tmp_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(ds_free)
+                    # the next chunk's q k^T (Pm's last read was the product above) in flight with the
+                    # v_new term
+                    if cc + 1 < n_chunks:
+                        T.barrier_wait(ready_c[1 - s], ((cc + 1) // 2) % 2)
+                        T.wgmma_gemm(q_s[1 - s, :, :], k_s[1 - s, :, :], qk_f, transpose_B=True, clear_accum=True)
                     for i, d in T.Parallel(C, K):
                         tmp_f[i, d] = tmp_f[i, d] * T.exp2((glast_g - g_s[s, i]) * LOG2E)
                     for i, d in T.Parallel(C, K):
@@ -418,17 +429,18 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         tmp_f[i, d] = tmp_f[i, d] * k_s[s, i, d]
                     T.reduce_sum(tmp_f, vn_term_f, dim=1)
                     T.copy(vn_term_f, r_s[s, 4, :])
-                    # the next chunk's P (Pm's last read was the GEMM above)
                     if cc + 1 < n_chunks:
-                        T.barrier_wait(ready_c[1 - s], ((cc + 1) // 2) % 2)
-                        form_p(q_s, k_s, g_s, qk_f, cc_f, p_s, p_ready, 1 - s)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(qk_f, num_regs=C * C // WG)
+                        gate_p(g_s, qk_f, cc_f, p_s, p_ready, 1 - s)
                     # X k + X^T k = (X + X^T) k (da_s and the dG / dbeta sums from the state warpgroup)
+                    # and - E t S^T (te = -E t from the state warpgroup, in dvn_s): one wait for both
                     T.barrier_wait(x_ready, ph)
-                    T.gemm(da_s, k_s[s, :, :], acc_f)
-                    T.barrier_arrive(x_free)
-                    # - E t S^T (te = -E t from the state warpgroup, in dvn_s)
+                    T.wgmma_gemm(da_s, k_s[s, :, :], acc_f)
                     T.barrier_wait(te_ready, ph)
                     T.gemm(dvn_s, h_s, tmp_f, transpose_B=True, clear_accum=True)
+                    T.warpgroup_fence_operand(acc_f, num_regs=C * K // WG)
+                    T.barrier_arrive(x_free)
                     T.barrier_arrive(te_free)
                     T.barrier_arrive(free_h)
                     for i, d in T.Parallel(C, K):
