@@ -17,6 +17,10 @@ and test_layer.py's layer configurations.
 fused layer's kernels and the op's fwd+bwd on the packed rows of examples/hybrid_lm's corpus)
 at these tokens per step.
 --decode-batches: the same for benchmarks/bench_decode.py (prefill and a decoding step).
+--cache-dir: compile into this unpacked cache (a TILELANG_CACHE_DIR; an archive's is its folder
+tlcache) and leave it unpacked instead of extending the --tar archive, so that several trees'
+kernels go in one after another and the cache is packed once (`tar -C DIR/.. --exclude=.staging
+-I "xz -9e -T0" -cf ARCHIVE tlcache`: xz's slowest preset takes minutes on a small CPU machine).
 TileLang's cache key is the kernel's script, the target and the pass configs, none of which
 needs a GPU: with the arch pinned to the device's, the keys are the device's. Needs nvcc here
 (`pip install "tilelang[nvcc]"` or a CUDA toolkit).
@@ -303,16 +307,22 @@ def main():
     ap.add_argument("--arch", default="sm_90a", help="the device's arch (H200: sm_90a)")
     ap.add_argument("--sms", type=int, default=132, help="the device's SM count (H200: 132)")
     ap.add_argument("--tar", default=".device/tlcache.tar.xz", help="cache archive to extend (created if absent)")
+    ap.add_argument("--cache-dir", help="an unpacked kernel cache to compile into, left unpacked (no --tar)")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
     if not (args.log or args.bench_shapes or args.layer_shapes or args.gpu_tests or args.train_recipe
             or args.decode_batches):
         ap.error("give --log, --bench-shapes, --layer-shapes, --gpu-tests, --train-recipe and / or --decode-batches")
 
-    work = tempfile.mkdtemp(prefix="tlcache_")
-    if os.path.exists(args.tar):
-        subprocess.run(["tar", "-xJf", args.tar, "-C", work], check=True)
-    os.environ["TILELANG_CACHE_DIR"] = os.path.join(work, "tlcache")  # before tilelang is imported
+    if args.cache_dir:
+        work = None
+        os.makedirs(args.cache_dir, exist_ok=True)
+        os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(args.cache_dir)  # before tilelang is imported
+    else:
+        work = tempfile.mkdtemp(prefix="tlcache_")
+        if os.path.exists(args.tar):
+            subprocess.run(["tar", "-xJf", args.tar, "-C", work], check=True)
+        os.environ["TILELANG_CACHE_DIR"] = os.path.join(work, "tlcache")
 
     import tilelang.cuda.target as cuda_target
 
@@ -338,6 +348,8 @@ def main():
         print(f"{min(i + args.workers, len(todo))} of {len(todo)} kernels, {done} built or loaded from the cache, "
               f"{time.time() - start:.0f} s", flush=True)
 
+    if work is None:
+        return
     tmp_tar = os.path.join(work, "tlcache.tar.xz")
     # xz's largest dictionary finds what the kernels' files share: a 327-kernel cache packs into
     # 12.6 MB instead of 27.2 with tar's default preset (device calls carry 64 MiB at most)
