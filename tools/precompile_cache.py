@@ -306,8 +306,9 @@ def main():
     ap.add_argument("--decode-prompt", type=int, default=2048, help="its prompt tokens per sequence")
     ap.add_argument("--arch", default="sm_90a", help="the device's arch (H200: sm_90a)")
     ap.add_argument("--sms", type=int, default=132, help="the device's SM count (H200: 132)")
-    ap.add_argument("--tar", default=".device/tlcache.tar.xz", help="cache archive to extend (created if absent)")
-    ap.add_argument("--cache-dir", help="an unpacked kernel cache to compile into, left unpacked (no --tar)")
+    into = ap.add_mutually_exclusive_group()
+    into.add_argument("--tar", default=".device/tlcache.tar.xz", help="cache archive to extend (created if absent)")
+    into.add_argument("--cache-dir", help="an unpacked kernel cache to compile into, left unpacked")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
     if not (args.log or args.bench_shapes or args.layer_shapes or args.gpu_tests or args.train_recipe
@@ -315,7 +316,6 @@ def main():
         ap.error("give --log, --bench-shapes, --layer-shapes, --gpu-tests, --train-recipe and / or --decode-batches")
 
     if args.cache_dir:
-        work = None
         os.makedirs(args.cache_dir, exist_ok=True)
         os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(args.cache_dir)  # before tilelang is imported
     else:
@@ -348,7 +348,7 @@ def main():
         print(f"{min(i + args.workers, len(todo))} of {len(todo)} kernels, {done} built or loaded from the cache, "
               f"{time.time() - start:.0f} s", flush=True)
 
-    if work is None:
+    if args.cache_dir:
         return
     tmp_tar = os.path.join(work, "tlcache.tar.xz")
     # xz's largest dictionary finds what the kernels' files share: a 327-kernel cache packs into
