@@ -55,23 +55,28 @@ def forward_plans(H: int, HV: int, K: int, V: int, dtype: str, sms: int, walks: 
                                            seqs, save, gated_norm=gated_norm)
 
 
+def backward_plans(H: int, HV: int, K: int, V: int, dtype: str, sms: int, walks: int, sum_v_heads: bool = True):
+    """Every backward plan of `walks` walks for these heads: with and without initial states,
+    final-state gradients and kept chunk states, unsplit and (K, V <= 128) split; sum_v_heads as
+    `plan_backward` takes it (False: the fused layer's, which takes per-v-head parts)."""
+    split_seqs = (1, max(1, walks // 8)) if max(K, V) <= 128 and walks >= 2 else ()
+    for use_h0 in (False, True):
+        for use_dht in (False, True):
+            for saved in (False, True):
+                for seqs in (0, *split_seqs):
+                    yield plan_backward(H, HV, K, V, dtype, K**-0.5, use_h0, use_dht, walks, sms, seqs, saved,
+                                        sum_v_heads=sum_v_heads)
+
+
 def head_config_specs(H: int, HV: int, K: int, V: int, dtype: str, sms: int) -> list:
     """Every KernelSpec the plans choose for these heads on a GPU of `sms` SMs, once each, in the
     order the plans name them."""
-    scale = K**-0.5
     specs = {}
     for walks in WALK_COUNTS:
         for plan in forward_plans(H, HV, K, V, dtype, sms, walks):
             specs.update(dict.fromkeys(plan.specs()))
-        for use_h0 in (False, True):
-            for use_dht in (False, True):
-                for saved in (False, True):
-                    plans = [plan_backward(H, HV, K, V, dtype, scale, use_h0, use_dht, walks, sms, 0, saved)]
-                    if max(K, V) <= 128 and walks >= 2:
-                        plans += [plan_backward(H, HV, K, V, dtype, scale, use_h0, use_dht, walks, sms, seqs, saved)
-                                  for seqs in (1, max(1, walks // 8))]
-                    for plan in plans:
-                        specs.update(dict.fromkeys([plan.prepare, *plan.specs()]))
+        for plan in backward_plans(H, HV, K, V, dtype, sms, walks):
+            specs.update(dict.fromkeys([plan.prepare, *plan.specs()]))
     return list(specs)
 
 
@@ -87,11 +92,16 @@ def layer_specs(H: int, HV: int, K: int, V: int, dtype: str, layout: str, conv_s
     walks = {plan.fused: None for count in WALK_COUNTS
              for plan in forward_plans(H, HV, K, V, dtype, sms, count, saves=(False,), gated_norm=norm)
              if plan.applies_norm}
-    # the inputs step's backward reads dq, dk summed, or as the op's per-v-head parts (GVA)
+    # the inputs step's backward reads dq, dk summed, or as the op's per-v-head parts (GVA), which
+    # the backward walks then write (no v-head chain)
     inputs = [*plan_layer_inputs(lay, conv_size, dtype, allow_neg_eigval).specs()]
+    parts_walks = {}
     if HV > H:
         inputs.append(plan_layer_inputs(lay, conv_size, dtype, allow_neg_eigval, HV // H).backward)
-    return [*inputs, *plan_gated_norm(lay, dtype, norm_eps).specs(), *walks]
+        parts_walks = {spec: None for count in WALK_COUNTS
+                       for plan in backward_plans(H, HV, K, V, dtype, sms, count, sum_v_heads=False)
+                       for spec in plan.specs()}
+    return [*inputs, *plan_gated_norm(lay, dtype, norm_eps).specs(), *walks, *parts_walks]
 
 
 def config_settings(path: str) -> dict:

@@ -26,7 +26,7 @@ from . import runtime, split
 from .forward import ForwardSaved, prepare_spec, run_prepare
 from .hopper.bwd_dh import build_bwd_dh_kernel
 from .hopper.bwd_dh_ws import build_bwd_dh_ws_kernel
-from .hopper.bwd_fused import build_bwd_fused_ws_kernel
+from .hopper.bwd_fused import MAX_CHAIN_GROUP, build_bwd_fused_ws_kernel
 from .hopper.bwd_grad import build_bwd_grad_group_kernel
 from .hopper.bwd_grad_wide import build_bwd_grad_wide_kernel
 from .hopper.bwd_h import build_bwd_h_kernel
@@ -111,16 +111,19 @@ def plan_backward(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use
         dh_warmup = dh.replace(use_dht=False, limit_chunks=True)
         exit_scan = split.scan_spec(HV, K, V, True, split_seqs, sms, use_s0=bool(use_dht))
     fused = fused_walk_wanted(walks * HV, K, V, sms, options.fused_walk)
+    # the fused walk sums dq / dk over a qk-head's v-heads itself (its v-head chain) where the
+    # caller wants them summed
+    chain = bool(fused and sum_v_heads and 1 < HV // H <= MAX_CHAIN_GROUP)
     dh_walk = fused_walk = grad = None
     if fused:
         fused_walk = KernelSpec.of(build_bwd_fused_ws_kernel, **shape, scale=scale, use_dht=bool(exits),
-                                   store_dh0=bool(use_h0))
+                                   store_dh0=bool(use_h0), chain_v_heads=chain)
     else:
         dh_walk = dh
         grad_factory = build_bwd_grad_wide_kernel if wide else build_bwd_grad_group_kernel
         grad = KernelSpec.of(grad_factory, **shape, scale=scale)
-    # the fused walk and the wide grad kernel write dq / dk per v-head
-    v_head_parts = bool((fused or wide) and HV > H)
+    # the fused walk (without its chain) and the wide grad kernel write dq / dk per v-head
+    v_head_parts = bool((fused and not chain or wide) and HV > H)
     v_head_sum = None
     if v_head_parts and sum_v_heads:
         v_head_sum = KernelSpec.of(build_v_head_sum_kernel, H=H, group=HV // H, K=K, dtype=dtype)

@@ -104,6 +104,8 @@ def _backward_plans():
     scale = 128**-0.5
     yield "k128_1walks", plan_backward(2, 4, 128, 128, "bfloat16", scale, True, True, 1, SMS)
     yield "k128_1000walks", plan_backward(2, 4, 128, 128, "bfloat16", scale, True, True, 1000, SMS)
+    yield "k128_1000walks_parts", plan_backward(2, 4, 128, 128, "bfloat16", scale, True, True, 1000, SMS,
+                                                sum_v_heads=False)
     yield "k128_split", plan_backward(2, 4, 128, 128, "bfloat16", scale, False, True, 8, SMS, 1)
     yield "k128_split_fused", plan_backward(2, 4, 128, 128, "bfloat16", scale, True, False, 64, SMS, 2, True)
     yield "k64_1walks", plan_backward(2, 4, 64, 64, "float16", 64**-0.5, True, True, 1, SMS)

@@ -53,7 +53,8 @@ OPTIONS = {
     "fused_walk_on": {"kernel_options": KernelOptions(fused_walk="on")},
     "fused_walk_off": {"kernel_options": KernelOptions(fused_walk="off")},
 }
-QUICK = ("dense_b2_T300", "varlen_odd", "varlen_vfirst", "mha_no_states", "split_varlen_auto", "resets_varlen")
+QUICK = ("dense_b2_T300", "varlen_odd", "varlen_zero_lengths", "varlen_vfirst", "mha_no_states", "split_varlen_auto",
+         "resets_varlen")
 
 
 @pytest.mark.parametrize("name", list(CASES))

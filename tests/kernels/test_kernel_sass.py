@@ -24,7 +24,7 @@ def test_pass_configuration_shows_in_the_counts(tmp_path):
 
     from flash_qla_cp.kernels.lowering import lowering_cases
 
-    case = next(c for c in lowering_cases() if c.name == "v_head_sum[k128_1000walks]")
+    case = next(c for c in lowering_cases() if c.name == "v_head_sum[k256_1walks]")
     plain = kernel_sass.measure(case, {}, str(tmp_path))
     unchecked = kernel_sass.measure(case, {tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}, str(tmp_path))
     assert plain["registers"] > 0 and plain["spill_stores"] == 0 and plain["sass_instructions"] > 50
@@ -32,6 +32,6 @@ def test_pass_configuration_shows_in_the_counts(tmp_path):
 
 
 def test_unknown_case_and_config_are_refused():
-    for args in (["no_such_case"], ["v_head_sum[k128_1000walks]", "--config", "NOT_A_KEY=1"]):
+    for args in (["no_such_case"], ["v_head_sum[k256_1walks]", "--config", "NOT_A_KEY=1"]):
         run = subprocess.run([sys.executable, str(TOOLS / "kernel_sass.py"), *args], capture_output=True, text=True)
         assert run.returncode != 0 and ("unknown cases" in run.stderr or "NOT_A_KEY" in run.stderr), run.stderr[-500:]

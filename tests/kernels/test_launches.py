@@ -160,11 +160,13 @@ def test_wide_heads_backward_with_the_sliced_grad_kernel(H):
 
 def test_split_backward_reads_no_zero_filled_exit_gradients():
     """The split fwd+bwd: the backward adds the warm-up dh walk (starting from zero by
-    construction), the reverse scan, the fused walk and the GVA sum of dq / dk."""
+    construction), the reverse scan and the fused walk, which sums dq / dk over the v-heads
+    itself (its v-head chain: no v-head sum kernel)."""
     q, k, v, g, beta = inputs(32768, 2, 4)
     grads, launches, fills = run_recorded(fwd_bwd(q, k, v, g, beta))
     assert launches.names()[5:] == ["build_bwd_dh_ws_kernel", "build_partition_scan_kernel",
-                                    "build_bwd_fused_ws_kernel", "build_v_head_sum_kernel", "build_v_head_sum_kernel"]
+                                    "build_bwd_fused_ws_kernel"]
+    assert launches.params(7)["chain_v_heads"]
     warm = launches.params(5)
     assert warm["limit_chunks"] and not warm["use_dht"]
     assert launches.params(6)["use_s0"] is False  # the reverse scan enters at zero too (no dht)
@@ -176,8 +178,7 @@ def test_unsplit_varlen_call_needs_no_fill():
     """Several documents on 32 v-heads fill the GPU unsplit: no scan, and without an initial
     state or an exit gradient nothing is zero-filled (the kernels do not read them)."""
     _, launches, fills = run_recorded(fwd_bwd(*inputs(20101, 16, 32), cu=VARLEN_CU))
-    assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_ws4_kernel", "build_bwd_fused_ws_kernel",
-                                "build_v_head_sum_kernel", "build_v_head_sum_kernel"]
+    assert launches.names() == ["build_prepare_kernel", "build_fused_fwd_ws4_kernel", "build_bwd_fused_ws_kernel"]
     assert fills == 0
 
 
@@ -188,7 +189,7 @@ def _built(spec):
 
 def assert_launches_match_signatures(launches):
     """Each recorded launch passes one argument per PrimFunc parameter, tensors of the buffer's
-    rank and dtype, contiguous and 16-byte aligned (the kernels' vector and TMA accesses): the
+    rank, fixed sizes and dtype, contiguous and 16-byte aligned (the kernels' vector and TMA accesses): the
     plumbing between the host code and the kernels, checked without a GPU."""
     for spec, args in launches.calls:
         prim = _built(spec)
@@ -199,17 +200,21 @@ def assert_launches_match_signatures(launches):
                 continue
             assert torch.is_tensor(arg), (spec.name, var.name)
             assert arg.dim() == len(buf.shape), (spec.name, buf.name, arg.shape)
+            static = [(got, want.value) for got, want in zip(arg.shape, buf.shape) if hasattr(want, "value")]
+            assert all(got == want for got, want in static), (spec.name, buf.name, arg.shape, buf.shape)
             assert str(arg.dtype).replace("torch.", "") == str(buf.dtype), (spec.name, buf.name, arg.dtype)
             assert arg.is_contiguous() and arg.data_ptr() % 16 == 0, (spec.name, buf.name, arg.stride())
 
 
 @pytest.mark.parametrize("with_states", [True, False])
 def test_every_launch_matches_its_kernel_signature(with_states):
-    """A split fwd+bwd, with or without an initial state and a final-state gradient."""
+    """A split fwd+bwd, with or without an initial state and a final-state gradient (5 kernels
+    forward, 3 backward: the warm-up dh walk, the reverse scan, the fused walk with its v-head
+    chain)."""
     h0 = torch.zeros(1, 4, 128, 128) if with_states else None
     call = fwd_bwd(*inputs(32768, 2, 4), h0=h0, with_dht=with_states)
     _, launches, _ = run_recorded(call)
-    assert len(launches.calls) == 10
+    assert len(launches.calls) == 8
     scans = [spec.kwargs for spec, _ in launches.calls if spec.name == "build_partition_scan_kernel"]
     assert [p.get("use_s0", True) for p in scans] == [with_states, with_states]
     assert_launches_match_signatures(launches)
@@ -814,16 +819,19 @@ def test_a_fused_decoding_step_forms_no_index_tables():
     assert not {"arange", "repeat_interleave", "cumsum"} & set(seen.ops), sorted(set(seen.ops))
 
 
-@pytest.mark.parametrize("lengths", [(40000, 25536), (4096, 1, 300)], ids=["fused_walk", "grad_kernel"])
-def test_a_backward_spends_what_the_forward_kept(lengths):
-    """The fused backward walk writes dk into the v residuals' memory (same shape under GVA's
-    per-v-head parts; it reads a chunk's residuals before it writes that chunk's dk); the grad
-    kernel writes a new dk. After the walks the backward frees the other kept tensors (chunk
-    states, Ag, G); a second backward over the same forward (retain_graph) recomputes them."""
+@pytest.mark.parametrize("lengths,H", [((40000, 25536), 2), ((40000, 25536), 4), ((4096, 1, 300), 2)],
+                         ids=["fused_walk_chain", "fused_walk_mha", "grad_kernel"])
+def test_a_backward_spends_what_the_forward_kept(lengths, H):
+    """Where the fused backward walk writes dk per v-head (MHA here: the shape of the v
+    residuals), it writes it into the residuals' memory (it reads a chunk's residuals before it
+    writes that chunk's dk); summing over v-heads in its chain, or in the grad kernel, dk is a
+    new tensor. After the walks the backward frees the other kept tensors (chunk states, Ag, G,
+    the residuals where dk is not in them); a second backward over the same forward
+    (retain_graph) recomputes them."""
     from flash_qla_cp.api import chunk_gated_delta_rule
 
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    q, k, v, g, beta = (t.requires_grad_(True) for t in inputs(sum(lengths), 2, 4))
+    q, k, v, g, beta = (t.requires_grad_(True) for t in inputs(sum(lengths), H, 4))
     launches = Launches()
     with tilelang_path(launches):
         o = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend="tilelang", intra_cp="auto")[0]
@@ -837,9 +845,10 @@ def test_a_backward_spends_what_the_forward_kept(lengths):
     assert not any(spec.name.startswith(("build_bwd_h", "build_prepare")) for spec, _ in first[2:])
     walk_args = next(args for spec, args in first if spec.name in walk_names)
     vres, dk, h = walk_args[3], walk_args[13], walk_args[7 if fused else 8]
-    assert (dk.data_ptr() == vres.data_ptr()) == fused
+    in_residuals = fused and H == 4
+    assert (dk.data_ptr() == vres.data_ptr()) == in_residuals
     assert h.untyped_storage().nbytes() == 0  # freed once the walks were done
-    assert (vres.untyped_storage().nbytes() == 0) == (not fused)
+    assert (vres.untyped_storage().nbytes() == 0) == (not in_residuals)
     second = [spec.name for spec, _ in launches.calls]
     assert second[0] == "build_prepare_kernel" and second[1].startswith("build_bwd_h")
     h_walk = launches.calls[1][1]

@@ -76,6 +76,20 @@ def test_backward_walk_choice():
     assert plan_backward(2, 4, 128, 128, "bfloat16", 0.1, True, True, 1, SMS, states_saved=True).h_walk is None
 
 
+@pytest.mark.parametrize("H,HV,sum_v_heads,chain", [
+    (2, 4, True, True),     # GVA, summed: the fused walk's v-head chain
+    (2, 4, False, False),   # the layer takes per-v-head parts
+    (4, 4, True, False),    # MHA: nothing to sum
+    (1, 16, True, False),   # 16 v-heads a qk-head: past the largest cluster, parts and the sum kernel
+])
+def test_fused_walk_sums_v_heads_in_its_chain(H, HV, sum_v_heads, chain):
+    plan = plan_backward(H, HV, 128, 128, "bfloat16", 0.1, True, True, 1000, SMS, sum_v_heads=sum_v_heads)
+    assert plan.fused_walk.kwargs["chain_v_heads"] is chain
+    parts = HV > H and not chain
+    assert plan.v_head_parts is parts
+    assert (plan.v_head_sum is not None) == (parts and sum_v_heads)
+
+
 @pytest.mark.parametrize("walks,K,mode,want", [
     (128, 128, "auto", True),    # TP1 1x32k: 4 partitions x 32 v-heads about fill an H200
     (256, 128, "auto", True),    # 8 documents x 32 v-heads

@@ -200,7 +200,7 @@ def test_a_plan_compiles_all_its_kernels_at_once_slow_lowering_first_on_first_us
     assert [r.getMessage().split(" TileLang kernel(s) ")[0] for r in caplog.records] == [str(len(names))] * 2
     assert str(tmp_path) in caplog.records[0].getMessage() and " ready in " in caplog.records[1].getMessage()
     compiled = [e[1] for e in events if e[0] == "compile"]
-    assert sorted(compiled) == sorted(names) and len(names) >= 4
+    assert sorted(compiled) == sorted(names) and len(names) >= 3
     assert compiled[0] == build_bwd_fused_ws_kernel.__name__
     assert all(e[2] for e in events if e[0] != "compile")
     assert all(runtime._launchers[spec].kernel.func.name == spec.name for spec in specs)

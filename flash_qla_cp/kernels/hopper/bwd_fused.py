@@ -47,24 +47,30 @@ across their two warps through shared memory and their own named barrier).
 Only the walk's first chunk (a sequence's or partition's last) can be partial; the loader zeroes
 its rows >= L after the TMA copies land, so no product needs more masks than the causal ones.
 
+The v-head chain (chain_v_heads, GVA; `v_head_chain.py`): a qk-head's v-heads are one cluster
+that adds their dq / dk rows in order into [1,T,H,K]; without it per-v-head parts [1,T,HV,K].
+
 Arguments: q, k [1,T,H,K]; do, vres [1,T,HV,V]; ag [1,T,HV,64] (dtype); gc, beta [1,T,HV]
 fp32; h [NC,HV,K,V] dtype (state entering each chunk); cu_seqlens, chunk_offsets [N+1] int32;
 order [N] int32 (the sequences in the order their blocks start, `kernels.tables.walk_order`);
 dht [NT,HV,K,V] fp32 (gradient of each sequence's final state; read when use_dht); outputs
-dq_part, dk_part [1,T,HV,K] dtype (per v-head: summed over each qk-head's v-heads afterwards,
-`kernels/backward.py`; with HV == H they are dq and dk), dv [1,T,HV,V] dtype,
+dq_out, dk_out dtype: [1,T,H,K] with the chain, else [1,T,HV,K] (per v-head parts, or with
+HV == H dq and dk), dv [1,T,HV,V] dtype,
 dg, db [1,T,HV] fp32 (dg already reverse-cumsummed inside the chunk), dh0 [N0,HV,K,V] fp32
 (written when store_dh0). Padding rows of a partial chunk carry q = k = v = 0 and beta = 0.
 """
 
 from .common import CHUNK, LOG2E, checks_own_bounds, import_tilelang, lowers_slowly, ordered_block, tl_dtype
+from .v_head_chain import CHAIN_BARRIER, CHAIN_PRELUDE, MAX_CHAIN_GROUP
 
 
 @lowers_slowly
 @checks_own_bounds
 def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale: float, use_dht: bool,
-                              store_dh0: bool):
-    """PrimFunc `gdn_bwd_fused_ws` (grid N x HV, 384 threads; see the module docstring)."""
+                              store_dh0: bool, chain_v_heads: bool = False):
+    """PrimFunc `gdn_bwd_fused_ws` (grid v-heads per qk-head x N x H, 384 threads; see the module
+    docstring). chain_v_heads: dq, dk [1,T,H,K] summed over each qk-head's v-heads in the walk
+    (the v-head chain) instead of per-v-head parts [1,T,HV,K]."""
     _, T = import_tilelang()
     C = CHUNK
     acc = "float32"
@@ -72,6 +78,9 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
     grp = HV // H
     scale = float(scale)
     assert HV % H == 0 and K % 32 == 0 and V % 16 == 0 and K <= 128 and V <= 128
+    chain = bool(chain_v_heads) and grp > 1
+    assert not chain or grp <= MAX_CHAIN_GROUP
+    HQ = H if chain else HV  # heads of the dq / dk outputs
     WG = 128
     # registers per thread (setmaxnreg; 128 x (state + grad + loader) <= 64K)
     STATE_REGS, GRAD_REGS, LOADER_REGS = 256, 224, 24
@@ -110,6 +119,20 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
         T.barrier_arrive(p_ready)
 
     @T.macro
+    def land_rows(out, rows, t0, L, oh, add):
+        # a chunk's dq or dk rows (fp32 fragment) into out: stored, or with `add` (the v-head
+        # chain's ranks after the first) added where they lie by reductions in L2 (in rank order)
+        if add:
+            # (column pairs; the prelude makes them REDs: no value comes back, nothing waits on it)
+            for i, d in T.Parallel(C, K):
+                if i < L:
+                    T.atomic_add(out[0, t0 + i, oh, d], rows[i, d])
+        else:
+            for i, d in T.Parallel(C, K):
+                if i < L:
+                    out[0, t0 + i, oh, d] = rows[i, d]
+
+    @T.macro
     def load_qkg(q, k, gc, beta, q_s, k_s, g_s, b_s, ready_c, s0, c, bh, bhv, slot):
         # q, k (TMA), G and beta of the whole chunk c into slot `slot`
         t0 = s0 + c * C
@@ -134,16 +157,19 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
         chunk_offsets: T.Tensor((N1,), "int32"),
         order: T.Tensor((NS,), "int32"),
         dht: T.Tensor((NT, HV, K, V), acc),
-        dq_part: T.Tensor((1, Ttot, HV, K), dtype),
-        dk_part: T.Tensor((1, Ttot, HV, K), dtype),
+        dq_out: T.Tensor((1, Ttot, HQ, K), dtype),
+        dk_out: T.Tensor((1, Ttot, HQ, K), dtype),
         dv: T.Tensor((1, Ttot, HV, V), dtype),
         dg: T.Tensor((1, Ttot, HV), acc),
         db: T.Tensor((1, Ttot, HV), acc),
         dh0: T.Tensor((N0, HV, K, V), acc),
     ):
-        with T.Kernel(N1 - 1, HV, threads=3 * WG) as (bn, bhv_block):
-            n, bhv = ordered_block(order, bn, bhv_block, N1 - 1, HV)  # longest sequences first
-            bh = bhv // grp
+        # a qk-head's v-heads are one cluster (chain) or launch side by side (x fastest)
+        with T.Kernel(grp, N1 - 1, H, threads=3 * WG, cluster_dims=(grp, 1, 1) if chain else None,
+                      prelude=CHAIN_PRELUDE if chain else None) as (rank, bn, bh_block):
+            n, bh = ordered_block(order, bn, bh_block, N1 - 1, H)  # longest sequences first
+            bhv = bh * grp + rank
+            oh = bh if chain else bhv  # head of this block's dq / dk rows
             s0 = cu_seqlens[n]
             seq_len = cu_seqlens[n + 1] - s0
             c_first = chunk_offsets[n]
@@ -233,6 +259,13 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
             tail_free = T.alloc_barrier(arrive_count=[C, C])  # the tail is done with a slot of r_s and xr_s
 
             tx = T.get_thread_binding()
+            if chain:
+                # chunks whose dq / dk rows the v-head before has published (raised by one of its
+                # grad threads after the group's barrier); zero before any block may raise it
+                published = T.alloc_shared((1,), "int32")
+                if tx == 0:
+                    published[0] = 0
+                T.call_extern("handle", "fqc_cluster_sync")
 
             # A wait with parity (cc + 1) % 2 is for the previous chunk's arrival: it passes at
             # once for cc = 0 (a fresh mbarrier counts its phase before the first as complete).
@@ -397,11 +430,16 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                     T.wgmma_gemm(p_s, k_s[s, :, :], acc_f)
                     T.reduce_sum(tmp_f, q_term_f, dim=1)
                     T.copy(q_term_f, r_s[s, 2, :])
+                    if chain:
+                        # publish the last chunk's rows (landed half a chunk ago: the release
+                        # rarely waits), and wait until the v-head before has landed this chunk's
+                        if rank < grp - 1 and cc > 0:
+                            T.call_extern("handle", "fqc_publish", T.address_of(published[0]), rank + 1, CHAIN_BARRIER)
+                        if rank > 0:
+                            T.call_extern("handle", "fqc_wait_count", T.address_of(published[0]), cc + 1, CHAIN_BARRIER)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_f, num_regs=C * K // WG)
-                    for i, d in T.Parallel(C, K):
-                        if i < L:
-                            dq_part[0, t0 + i, bhv, d] = acc_f[i, d]
+                    land_rows(dq_out, acc_f, t0, L, oh, (rank > 0) if chain else False)
                     # dk = Pm^T q + diag(exp(GL - G)) v_new dS'^T + X k + X^T k - E t S^T
                     T.gemm(p_s, q_s[s, :, :], acc_f, transpose_A=True, clear_accum=True)
                     T.barrier_wait(ds_ready, ph)
@@ -449,11 +487,12 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         tmp_f[i, d] = tmp_f[i, d] * k_s[s, i, d]
                     T.reduce_sum(tmp_f, te_term_f, dim=1)
                     T.copy(te_term_f, r_s[s, 3, :])
-                    for i, d in T.Parallel(C, K):
-                        if i < L:
-                            dk_part[0, t0 + i, bhv, d] = acc_f[i, d]
+                    land_rows(dk_out, acc_f, t0, L, oh, (rank > 0) if chain else False)
                     T.barrier_arrive(tail_ready[s])  # dG and dbeta: the tail warps
                     T.barrier_arrive(free_c[s])  # q, k, G and beta (the tail still reads beta)
+                if chain:
+                    if rank < grp - 1 and n_chunks > 0:
+                        T.call_extern("handle", "fqc_publish", T.address_of(published[0]), rank + 1, CHAIN_BARRIER)
             else:
                 # ---------------- loader: one warp ----------------
                 T.set_max_nreg(LOADER_REGS, 0)
