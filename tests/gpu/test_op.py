@@ -27,6 +27,7 @@ CASES = {
     "mha_no_states": Case((777,), dense=True, H=4, HV=4, with_h0=False, with_dht=False, seed=6),
     "tp1_varlen_odd": Case((5000, 3, 7001, 4000, 4097), H=16, HV=32, with_h0=False, with_dht=False, seed=7),
     "tp1_dense_32k": Case((32768,), dense=True, H=16, HV=32, with_h0=False, with_dht=False, seed=8),
+    "tp1_varlen_fp16": Case((5000, 3, 7001, 4000), H=16, HV=32, dtype=HALF, with_h0=False, with_dht=False, seed=24),
     "k256_dense": Case((700, 700), dense=True, K=256, V=256, seed=9),
     "k256_varlen_fp16": Case(ODD, K=256, V=256, dtype=HALF, seed=10),
     "k128_v256_varlen": Case(ODD, K=128, V=256, seed=11),
