@@ -95,13 +95,13 @@ def layer_specs(H: int, HV: int, K: int, V: int, dtype: str, layout: str, conv_s
     # the inputs step's backward reads dq, dk summed, or as the op's per-v-head parts (GVA), which
     # the backward walks then write (no v-head chain)
     inputs = [*plan_layer_inputs(lay, conv_size, dtype, allow_neg_eigval).specs()]
-    parts_walks = {}
+    parts_backward = {}
     if HV > H:
         inputs.append(plan_layer_inputs(lay, conv_size, dtype, allow_neg_eigval, HV // H).backward)
-        parts_walks = {spec: None for count in WALK_COUNTS
-                       for plan in backward_plans(H, HV, K, V, dtype, sms, count, sum_v_heads=False)
-                       for spec in plan.specs()}
-    return [*inputs, *plan_gated_norm(lay, dtype, norm_eps).specs(), *walks, *parts_walks]
+        parts_backward = {spec: None for count in WALK_COUNTS
+                          for plan in backward_plans(H, HV, K, V, dtype, sms, count, sum_v_heads=False)
+                          for spec in plan.specs()}
+    return [*inputs, *plan_gated_norm(lay, dtype, norm_eps).specs(), *walks, *parts_backward]
 
 
 def config_settings(path: str) -> dict:

@@ -15,8 +15,8 @@ pytest.importorskip("tilelang")
 from flash_qla_cp.kernels import hopper  # noqa: E402
 from flash_qla_cp.kernels.backward import plan_backward  # noqa: E402
 from flash_qla_cp.kernels.hopper.bwd_grad import build_bwd_grad_group_kernel  # noqa: E402
-from flash_qla_cp.kernels.hopper.v_head_chain import CHAIN_PRELUDE  # noqa: E402
 from flash_qla_cp.kernels.hopper.split_scan import build_partition_scan_kernel  # noqa: E402
+from flash_qla_cp.kernels.hopper.v_head_chain import CHAIN_PRELUDE  # noqa: E402
 from flash_qla_cp.kernels.lowering import (MAX_SHARED_MEMORY_SM90, lower_for_cuda, lower_spec,  # noqa: E402
                                            lowering_cases)
 from flash_qla_cp.kernels.runtime import KernelSpec  # noqa: E402

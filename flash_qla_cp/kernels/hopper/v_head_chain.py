@@ -4,9 +4,9 @@ one qk-head's v-heads sum their dq / dk rows without a kernel of their own.
 Under GVA every v-head of a qk-head contributes to the same dq and dk rows. The walk's blocks of
 one (sequence or partition, qk-head) form one cluster, a block per v-head (cluster rank = v-head
 within the group), so that they run at the same time. Rank 0 stores its rows of a chunk; rank r
-adds its rows to them where they lie, by bf16x2 reductions (`red`, performed in L2: the thread
-neither waits for them nor holds the old rows) once rank r - 1 has landed its own; the last
-rank's leave the sum. Each addend and each partial sum is rounded to the output dtype once; the
+adds its rows to them where they lie, by bf16x2 / f16x2 reductions (`red`, performed in L2: the
+thread neither waits for them nor holds the old rows) once rank r - 1 has landed its own; the
+last rank's leave the sum. Each addend and each partial sum is rounded to the output dtype once; the
 order of the additions is fixed, so the result is deterministic. Against per-v-head parts and a
 sum kernel (at 1 x 32k, 32 v-heads: 268 MB of parts per tensor written, then read again and 134 MB
 written) the chain writes into the result's 134 MB once per v-head. H100, TP1 1 x 32k: the walk
@@ -28,8 +28,9 @@ waits for a later rank, so the chain cannot deadlock; each rank runs about a chu
 before, and every block of a cluster is resident at once (the cluster launch guarantees it).
 """
 
-# Device functions of the hand-over (the kernel's prelude). The count starts at zero in every
-# block of the cluster before any block may raise it (thread 0 writes it, then a cluster barrier).
+# Device functions of the hand-over and the adds (the kernel's prelude). The count starts at zero
+# in every block of the cluster before any block may raise it (thread 0 writes it, then a cluster
+# barrier).
 CHAIN_PRELUDE = r"""
 __device__ __forceinline__ void fqc_cluster_sync() {
   asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
@@ -45,7 +46,7 @@ __device__ __forceinline__ void fqc_publish(int* count, int peer, int bar_id) {
   }
 }
 __device__ __forceinline__ void fqc_wait_count(int* count, int target, int bar_id) {
-  // one thread acquires, the barrier orders the group's reads after it
+  // one thread acquires, the barrier orders the group's adds after it
   if (threadIdx.x % 128 == 0) {
     unsigned local = (unsigned)__cvta_generic_to_shared(count);
     int seen;
