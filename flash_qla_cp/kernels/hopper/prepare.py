@@ -28,10 +28,11 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
     Varlen adds cu_seqlens [N+1] int32 and chunk_table [NC,2] int32 (B == 1).
     blocks_per_sm > 1: registers capped so that that many blocks fit an SM (104 registers now: 4
     blocks of 128 threads; `tools/tune_prepare.py` times the caps).
-    heads_per_block > 1 (under GVA, dividing HV / H): a block takes that many v-heads of one
-    qk-head and forms k k^T (the chunk's one 64 x 64 x K product, and its k load) once for all of
-    them; everything after it is per v-head, the same arithmetic as one v-head per block (the
-    outputs are bitwise equal).
+    heads_per_block = 2 (under GVA, dividing HV / H): a block takes two v-heads of one qk-head,
+    forms k k^T (the chunk's one 64 x 64 x K product, and its k load) once for both and runs
+    their diagonal-block substitutions side by side (64 threads each; one v-head leaves half the
+    block waiting there); the rest is per v-head, the same arithmetic as one v-head per block
+    (the outputs are bitwise equal).
     """
     _, T = import_tilelang()
     C = CHUNK
@@ -39,27 +40,30 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
     dtype = tl_dtype(dtype)
     G = HV // H
     VH = heads_per_block
-    assert HV % H == 0 and G % VH == 0
+    assert HV % H == 0 and G % VH == 0 and VH in (1, 2)  # (the substitution: 64 threads per v-head)
     block_heads = tuple(range(VH))  # a tuple, not a range: its loops unroll as the kernel is built
 
     @T.macro
-    def inverse_gated(n_s, d_s, z_s, z_f, w_f, w_a, out_s, col, run, g_s, b_s, a_out, bb, bhv, t0, L, tx):
-        # Column-wise forward substitution inside each 16x16 diagonal block: thread (blk, c)
-        # owns column c of block blk in registers, so it needs no other thread's results.
-        if tx < 64:
-            blk = tx // 16
-            c = tx % 16
-            for r in T.unroll(16):
-                col[r] = T.if_then_else(r == c, T.float32(1), T.float32(0))
-            for r in T.unroll(1, 16):
-                run[0] = T.float32(0)
-                for m in T.unroll(r):
-                    run[0] += T.cast(n_s[blk * 16 + r, blk * 16 + m], acc) * col[m]
-                if r > c:
-                    col[r] = -run[0]
-            for r in T.unroll(16):
-                d_s[blk * 16 + r, blk * 16 + c] = T.cast(col[r], inv_dtype)
-        T.sync_threads()
+    def substitute(n_s, d_s, col, run, lane):
+        # Column-wise forward substitution inside each 16x16 diagonal block by 64 threads: thread
+        # lane = (blk, c) owns column c of block blk in registers, so it needs no other thread's
+        # results.
+        blk = lane // 16
+        c = lane % 16
+        for r in T.unroll(16):
+            col[r] = T.if_then_else(r == c, T.float32(1), T.float32(0))
+        for r in T.unroll(1, 16):
+            run[0] = T.float32(0)
+            for m in T.unroll(r):
+                run[0] += T.cast(n_s[blk * 16 + r, blk * 16 + m], acc) * col[m]
+            if r > c:
+                col[r] = -run[0]
+        for r in T.unroll(16):
+            d_s[blk * 16 + r, blk * 16 + c] = T.cast(col[r], inv_dtype)
+
+    @T.macro
+    def inverse_gated(n_s, d_s, z_s, z_f, w_f, w_a, out_s, g_s, b_s, a_out, bb, bhv, t0, L):
+        # Ag of v-head bhv from its N (n_s) and diagonal-block inverse (d_s)
         # keep only the strictly block-lower part N
         for i, j in T.Parallel(C, C):
             if i // 16 == j // 16:
@@ -98,12 +102,13 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
         # v-heads bhv0 .. bhv0 + VH - 1, all of qk-head bh
         bh = bhv0 // G
         k_s = T.alloc_shared((C, K), dtype)
-        g_s = [T.alloc_shared((C,), acc) for _ in range(VH)]
-        b_s = [T.alloc_shared((C,), acc) for _ in range(VH)]
+        g_s = [T.alloc_shared((C,), acc) for _ in block_heads]
+        b_s = [T.alloc_shared((C,), acc) for _ in block_heads]
         kk_f = T.alloc_fragment((C, C), acc)
         # inversion operands: fp16 (wgmma, same 10-bit mantissa as tf32) or fp32 (tf32 mma)
-        n_s = [T.alloc_shared((C, C), inv_dtype) for _ in range(VH)]  # beta k k^T strictly lower -> N -> F
-        d_s = T.alloc_shared((C, C), inv_dtype)  # inverse of the block-diagonal part
+        # per v-head: beta k k^T strictly lower -> N -> F, and the inverse of its block-diagonal part
+        n_s = [T.alloc_shared((C, C), inv_dtype) for _ in block_heads]
+        d_s = [T.alloc_shared((C, C), inv_dtype) for _ in block_heads]
         z_s = T.alloc_shared((C, C), inv_dtype)
         z_f = T.alloc_fragment((C, C), acc)
         w_f = T.alloc_fragment((C, C), acc)  # I - (...) F, fp32
@@ -124,43 +129,47 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
             for i, d in T.Parallel(C, K):
                 if i >= L:
                     k_s[i, d] = T.cast(0, dtype)
-        for w in block_heads:
+        for head in block_heads:
             for i in T.Parallel(C):
                 if i < L:
                     # floored (constants.KERNEL_GATE_FLOOR); a comparison keeps NaN gates NaN
-                    g_s[w][i] = T.if_then_else(g[bb, t0 + i, bhv0 + w] < KERNEL_GATE_FLOOR,
-                                               T.float32(KERNEL_GATE_FLOOR), g[bb, t0 + i, bhv0 + w])
-                    b_s[w][i] = beta[bb, t0 + i, bhv0 + w]
+                    g_s[head][i] = T.if_then_else(g[bb, t0 + i, bhv0 + head] < KERNEL_GATE_FLOOR,
+                                                  T.float32(KERNEL_GATE_FLOOR), g[bb, t0 + i, bhv0 + head])
+                    b_s[head][i] = beta[bb, t0 + i, bhv0 + head]
                 else:
-                    g_s[w][i] = T.float32(0)
-                    b_s[w][i] = T.float32(0)
-            T.cumsum(g_s[w], dim=0)
+                    g_s[head][i] = T.float32(0)
+                    b_s[head][i] = T.float32(0)
+            T.cumsum(g_s[head], dim=0)
             for i in T.Parallel(C):
                 if i < L:
-                    g_out[bb, t0 + i, bhv0 + w] = g_s[w][i]
+                    g_out[bb, t0 + i, bhv0 + head] = g_s[head][i]
 
         T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
         # each v-head's beta k k^T, strictly lower: computed in registers (z_f: kk_f stays for the
         # next v-head), masked, then stored, loops of their own (the elementwise rule,
         # hopper/common.py)
-        for w in block_heads:
+        for head in block_heads:
             for i, j in T.Parallel(C, C):
-                z_f[i, j] = kk_f[i, j] * b_s[w][i]
+                z_f[i, j] = kk_f[i, j] * b_s[head][i]
             for i, j in T.Parallel(C, C):
                 z_f[i, j] = T.if_then_else(i > j, z_f[i, j], T.float32(0))
-            T.copy(z_f, n_s[w])
-        # the diagonal blocks of d_s are written whole by every v-head's substitution: its zeros
-        # off them are set once
+            T.copy(z_f, n_s[head])
         for i, j in T.Parallel(C, C):
             kk_f[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))
-        T.copy(kk_f, d_s)
+        for head in block_heads:
+            T.copy(kk_f, d_s[head])
+        T.sync_threads()
+        # the v-heads' substitutions side by side, 64 threads each
+        for head in block_heads:
+            if tx // 64 == head:
+                substitute(n_s[head], d_s[head], col, run, tx % 64)
         T.sync_threads()
 
-        for w in block_heads:
-            if w > 0:
-                T.sync_threads()  # the v-head before is done with d_s and out_s
-            inverse_gated(n_s[w], d_s, z_s, z_f, w_f, w_a, out_s, col, run, g_s[w], b_s[w], a_out, bb, bhv0 + w,
-                          t0, L, tx)
+        for head in block_heads:
+            if head > 0:
+                T.sync_threads()  # the v-head before is done with z_s and out_s
+            inverse_gated(n_s[head], d_s[head], z_s, z_f, w_f, w_a, out_s, g_s[head], b_s[head], a_out, bb,
+                          bhv0 + head, t0, L)
 
     if is_varlen:
         Ttot = T.dynamic("num_tokens")
