@@ -26,8 +26,8 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
     Non-varlen arguments: k [B,T,H,K] dtype, g [B,T,HV] fp32, beta [B,T,HV] fp32,
     g_out [B,T,HV] fp32, a_out [B,T,HV,64] dtype.
     Varlen adds cu_seqlens [N+1] int32 and chunk_table [NC,2] int32 (B == 1).
-    blocks_per_sm > 1: registers capped so that that many blocks fit an SM (104 registers now: 4
-    blocks of 128 threads; `tools/tune_prepare.py` times the caps).
+    blocks_per_sm > 1: registers capped so that that many blocks fit an SM (`tools/tune_prepare.py`
+    times the caps).
     heads_per_block = 2 (under GVA, dividing HV / H): a block takes two v-heads of one qk-head,
     forms k k^T (the chunk's one 64 x 64 x K product, and its k load) once for both and runs
     their diagonal-block substitutions side by side (64 threads each; one v-head leaves half the
@@ -40,7 +40,7 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
     dtype = tl_dtype(dtype)
     G = HV // H
     VH = heads_per_block
-    assert HV % H == 0 and G % VH == 0 and VH in (1, 2)  # (the substitution: 64 threads per v-head)
+    assert HV % H == 0 and G % VH == 0 and VH in (1, 2) and threads >= 64 * VH  # (64 substitute a v-head)
     block_heads = tuple(range(VH))  # a tuple, not a range: its loops unroll as the kernel is built
 
     @T.macro
