@@ -32,7 +32,7 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
     forms k k^T (the chunk's one 64 x 64 x K product, and its k load) once for both and runs
     their diagonal-block substitutions side by side (64 threads each; one v-head leaves half the
     block waiting there); the rest is per v-head, the same arithmetic as one v-head per block
-    (the outputs are bitwise equal).
+    (the outputs are bitwise equal), with the two Ag tiles stored last.
     """
     _, T = import_tilelang()
     C = CHUNK
@@ -62,8 +62,8 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
             d_s[blk * 16 + r, blk * 16 + c] = T.cast(col[r], inv_dtype)
 
     @T.macro
-    def inverse_gated(n_s, d_s, z_s, z_f, w_f, w_a, out_s, g_s, b_s, a_out, bb, bhv, t0, L):
-        # Ag of v-head bhv from its N (n_s) and diagonal-block inverse (d_s)
+    def inverse_gated(n_s, d_s, z_s, z_f, w_f, w_a, out_s, g_s, b_s, L):
+        # a v-head's Ag into out_s from its N (n_s) and diagonal-block inverse (d_s)
         # keep only the strictly block-lower part N
         for i, j in T.Parallel(C, C):
             if i // 16 == j // 16:
@@ -90,6 +90,9 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
         for i, j in T.Parallel(C, C):
             z_f[i, j] = T.if_then_else((i >= j) and (i < L) and (j < L), z_f[i, j], T.float32(0))
         T.copy(z_f, out_s)
+
+    @T.macro
+    def store_ag(out_s, a_out, bb, bhv, t0, L):
         if L == C:
             T.copy(out_s, a_out[bb, t0 : t0 + C, bhv, :])
         else:
@@ -113,7 +116,7 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
         z_f = T.alloc_fragment((C, C), acc)
         w_f = T.alloc_fragment((C, C), acc)  # I - (...) F, fp32
         w_a = T.alloc_fragment((C, C), inv_dtype)  # the same as an MMA's register A operand
-        out_s = T.alloc_shared((C, C), dtype)
+        out_s = [T.alloc_shared((C, C), dtype) for _ in block_heads]  # each v-head's Ag
         col = T.alloc_local((16,), acc)
         run = T.alloc_local((1,), acc)
 
@@ -167,9 +170,12 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, is_varlen: bool, t
 
         for head in block_heads:
             if head > 0:
-                T.sync_threads()  # the v-head before is done with z_s and out_s
-            inverse_gated(n_s[head], d_s[head], z_s, z_f, w_f, w_a, out_s, g_s[head], b_s[head], a_out, bb,
-                          bhv0 + head, t0, L)
+                T.sync_threads()  # the v-head before is done with z_s
+            inverse_gated(n_s[head], d_s[head], z_s, z_f, w_f, w_a, out_s[head], g_s[head], b_s[head], L)
+        # the stores last: a bulk store's wait for its read of shared memory ends the block rather
+        # than holding the next v-head up at a barrier
+        for head in block_heads:
+            store_ag(out_s[head], a_out, bb, bhv0 + head, t0, L)
 
     if is_varlen:
         Ttot = T.dynamic("num_tokens")
