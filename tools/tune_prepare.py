@@ -1,15 +1,16 @@
 """Time the prepare kernel (`kernels/hopper/prepare.py`) with its registers capped for more blocks
-per SM, on shapes of benchmarks/bench_kernels.py, on one GPU.
+per SM and, under GVA, with several v-heads per block, on shapes of benchmarks/bench_kernels.py,
+on one GPU.
 
     python tools/tune_prepare.py [--shapes tp1_1x32k,tp1_varlen8_32k,tp8_1x128k] [--out DIR]
     python tools/tune_prepare.py --kernel-log variants.jsonl   # no GPU needed
 
-At its default the kernel uses 104 registers (ptxas, sm_90a): four 128-thread blocks per SM.
-Each value of BLOCKS_PER_SM is timed (do_bench median) after its outputs, G and Ag, are checked
-bit for bit against the default's (a cap changes register allocation, not arithmetic; a mismatch
-is reported with the timing). One JSON line per setting; tune_prepare.json under --out. With
---kernel-log nothing runs: the variants' kernels are written as a kernel log for
-`tools/precompile_cache.py --log`.
+Each pair of BLOCKS_PER_SM and HEADS_PER_BLOCK is timed (do_bench median) after its outputs, G
+and Ag (written over NaN), are checked bit for bit against those of the uncapped kernel with one
+v-head per block (a cap changes register allocation, and a shared k k^T is the same product:
+no other arithmetic; a mismatch is reported with the timing). One JSON line per setting;
+tune_prepare.json under --out. With --kernel-log nothing runs: the variants' kernels are written
+as a kernel log for `tools/precompile_cache.py --log`.
 """
 
 import argparse
@@ -24,20 +25,26 @@ sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "benchmarks")
 
 from bench_kernels import SHAPES, shape_inputs  # noqa: E402
 
-from flash_qla_cp.kernels.forward import prepare_spec, run_prepare  # noqa: E402
+from flash_qla_cp.kernels.forward import prepare_heads_per_block, prepare_spec, run_prepare  # noqa: E402
 from flash_qla_cp.kernels.runtime import kernel_log_line  # noqa: E402
 from flash_qla_cp.kernels.tables import chunk_table  # noqa: E402
 
-# 5: 92 registers, no spills; 6: 80, 4 bytes spilled; 8: 64, 24 bytes spilled (ptxas, sm_90a)
-BLOCKS_PER_SM = (1, 5, 6, 8)
+# blocks per SM (1: uncapped) x v-heads per block (GVA: the v-heads of a block share k k^T).
+# ptxas, sm_90a, TP1 heads, dense: one v-head per block, 5 blocks: 96 registers, no spills; two
+# v-heads: 4 blocks 102 registers, no spills, 5 blocks 96 with 60 bytes spilled (varlen: none)
+BLOCKS_PER_SM = (1, 4, 5, 6)
+HEADS_PER_BLOCK = (1, 2)
 
 
 def variant_specs(shape):
-    """[KernelSpec] of the prepare kernel for `shape` (bf16), one per BLOCKS_PER_SM (1: uncapped;
-    the plans use forward.PREPARE_BLOCKS_PER_SM)."""
+    """[(blocks per SM, v-heads per block, KernelSpec)] of the prepare kernel for `shape` (bf16):
+    every pair the shape's GVA group allows, (1, 1) first (uncapped, one v-head per block: the
+    reference the others must equal bit for bit; the plans use forward.PREPARE_BLOCKS_PER_SM and
+    forward.PREPARE_HEADS_PER_BLOCK)."""
     _, _, H, HV, K, _, nseq = SHAPES[shape]
     spec = prepare_spec(H, HV, K, "bfloat16", bool(nseq))
-    return [spec.replace(blocks_per_sm=m) for m in BLOCKS_PER_SM]
+    return [(m, vh, spec.replace(blocks_per_sm=m, heads_per_block=vh)) for vh in HEADS_PER_BLOCK
+            if prepare_heads_per_block(H, HV, vh) == vh for m in BLOCKS_PER_SM]
 
 
 def main(argv=None):
@@ -49,7 +56,7 @@ def main(argv=None):
     shapes = args.shapes.split(",")
     if args.kernel_log:
         with open(args.kernel_log, "w") as f:
-            f.writelines(kernel_log_line(spec) for shape in shapes for spec in variant_specs(shape))
+            f.writelines(kernel_log_line(spec) for shape in shapes for _, _, spec in variant_specs(shape))
         return
     import triton.testing
 
@@ -60,14 +67,18 @@ def main(argv=None):
         tab = None if cu is None else chunk_table(cu)
         specs = variant_specs(shape)
 
-        def run(spec):
-            return run_prepare(spec, k, g, beta, cu_seqlens=cu, chunk_tab=tab)[:2]
+        def run(spec, out=None):
+            return run_prepare(spec, k, g, beta, cu_seqlens=cu, chunk_tab=tab, out=out)[:2]
 
-        want = [t.clone() for t in run(specs[0])]
-        for m, spec in zip(BLOCKS_PER_SM, specs):
-            got = run(spec)
+        def poisoned():  # NaN outputs: a value the variant leaves unwritten cannot match
+            G, Ag = run(specs[0][2])
+            return G.fill_(float("nan")), Ag.fill_(float("nan"))
+
+        want = run(specs[0][2], poisoned())
+        for m, vh, spec in specs:
+            got = run(spec, poisoned())
             differ = [name for name, a, b in zip(("G", "Ag"), got, want) if not torch.equal(a, b)]
-            row = {"shape": shape, "blocks_per_sm": m, "mismatch": differ or None,
+            row = {"shape": shape, "blocks_per_sm": m, "heads_per_block": vh, "mismatch": differ or None,
                    "ms": round(triton.testing.do_bench(lambda: run(spec), return_mode="median"), 4)}
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -102,12 +102,19 @@ def fused_walk_kernel(walks: int, HV: int, K: int, V: int, sms: int, options: Ke
 # uncapped (four blocks of 128 threads per SM); five blocks (92 registers, no spills) took 0.209 ms
 # instead of 0.216 at TP1 1 x 32k and 0.196 instead of 0.207 at 4 x 8k; eight spill and lose.
 PREPARE_BLOCKS_PER_SM = 5
+# v-heads of one qk-head per prepare block under GVA (they share the chunk's k k^T)
+PREPARE_HEADS_PER_BLOCK = 2
+
+
+def prepare_heads_per_block(H: int, HV: int, wanted: int = PREPARE_HEADS_PER_BLOCK) -> int:
+    """v-heads per prepare block: `wanted` where it divides the GVA group HV / H, else 1."""
+    return wanted if (HV // H) % wanted == 0 else 1
 
 
 def prepare_spec(H: int, HV: int, K: int, dtype: str, varlen: bool) -> KernelSpec:
     """The prepare kernel both plans launch (and `tools/tune_prepare.py` times variants of)."""
     return KernelSpec.of(build_prepare_kernel, H=H, HV=HV, K=K, dtype=dtype, is_varlen=bool(varlen),
-                         blocks_per_sm=PREPARE_BLOCKS_PER_SM)
+                         blocks_per_sm=PREPARE_BLOCKS_PER_SM, heads_per_block=prepare_heads_per_block(H, HV))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -203,14 +210,17 @@ class ForwardSaved:
         return self.h_states is not None and self.vres is not None and not self.spent.value
 
 
-def run_prepare(spec: KernelSpec, k, g, beta, cu_seqlens=None, chunk_tab=None):
-    """The prepare kernel: (G fp32 [B, T, HV], Ag [B, T, HV, 64], the chunk table when varlen)."""
+def run_prepare(spec: KernelSpec, k, g, beta, cu_seqlens=None, chunk_tab=None, out=None):
+    """The prepare kernel: (G fp32 [B, T, HV], Ag [B, T, HV, 64], the chunk table when varlen).
+    out: (G, Ag) tensors to write instead of new ones (a check that poisons them first)."""
     B, Tn = k.shape[:2]
     HV = g.shape[2]
     g32 = kernel_operand(runtime.as_dtype(g, torch.float32))
     b32 = kernel_operand(runtime.as_dtype(beta, torch.float32))
-    g_out = torch.empty(B, Tn, HV, dtype=torch.float32, device=k.device)
-    a_out = torch.empty(B, Tn, HV, CHUNK, dtype=k.dtype, device=k.device)
+    if out is None:
+        out = (torch.empty(B, Tn, HV, dtype=torch.float32, device=k.device),
+               torch.empty(B, Tn, HV, CHUNK, dtype=k.dtype, device=k.device))
+    g_out, a_out = out
     kern = runtime.compile_kernel(spec)
     if cu_seqlens is not None:
         if chunk_tab is None:

@@ -71,7 +71,7 @@ SMS = 132  # an H200
 # (H, HV, K, V, dtype): GVA and MHA heads, both head sizes, both dtypes, wide and mixed heads
 _HEADS = {"k128": (2, 4, 128, 128, "bfloat16"), "k64": (2, 4, 64, 64, "float16"),
           "k256": (2, 4, 256, 256, "bfloat16"), "k256v128": (2, 4, 256, 128, "bfloat16"),
-          "k128v256": (2, 4, 128, 256, "bfloat16")}
+          "k128v256": (2, 4, 128, 256, "bfloat16"), "k128_mha": (4, 4, 128, 128, "bfloat16")}
 
 
 def _forward_plans():
@@ -87,6 +87,9 @@ def _forward_plans():
                                                               32, SMS, 0, True)
             yield f"{tag}_split", plan_forward(H, HV, K, V, dtype, K**-0.5, True, False, True, False, 8, SMS, 1, True)
             yield f"{tag}_split_h0", plan_forward(H, HV, K, V, dtype, K**-0.5, True, True, True, False, 64, SMS, 2)
+    # MHA (one v-head per qk-head: a prepare block per v-head)
+    H, HV, K, V, dtype = _HEADS["k128_mha"]
+    yield "k128_mha_1walks", plan_forward(H, HV, K, V, dtype, K**-0.5, False, True, True, False, 1, SMS, 0, False)
     # inference with the layer's gated norm in the walk, dense and split (whole 128-wide rows only)
     H, HV, K, V, dtype = _HEADS["k128"]
     lay = ProjectionLayout.qwen3_next(H, HV, K, V)

@@ -385,8 +385,9 @@ def test_tune_layer_lists_its_variants_as_a_kernel_log(tmp_path):
 
 
 def test_tune_prepare_lists_its_variants_as_a_kernel_log(tmp_path):
-    """tools/tune_prepare.py --kernel-log: the prepare kernel of each shape with each register cap,
-    the first being the plans' own (so a GPU call of the sweep compiles nothing)."""
+    """tools/tune_prepare.py --kernel-log: the prepare kernel of each shape with each register cap
+    and number of v-heads per block its GVA group allows, the plans' own among them (so a GPU call
+    of the sweep compiles nothing)."""
     import sys
 
     sys.path.insert(0, str(TOOLS))
@@ -398,8 +399,11 @@ def test_tune_prepare_lists_its_variants_as_a_kernel_log(tmp_path):
     log = tmp_path / "variants.jsonl"
     tune_prepare.main(["--shapes", "tp1_1x32k,tp1_varlen8_32k", "--kernel-log", str(log)])
     specs = load_log(str(log))
-    assert specs == tune_prepare.variant_specs("tp1_1x32k") + tune_prepare.variant_specs("tp1_varlen8_32k")
-    assert len(set(specs)) == len(specs) == 2 * len(tune_prepare.BLOCKS_PER_SM)
+    listed = [spec for shape in ("tp1_1x32k", "tp1_varlen8_32k") for _, _, spec in tune_prepare.variant_specs(shape)]
+    assert specs == listed
+    # TP1's group of 2 v-heads per qk-head: one or two per block
+    assert len(set(specs)) == len(specs) == 2 * 2 * len(tune_prepare.BLOCKS_PER_SM)
+    assert {spec.kwargs["heads_per_block"] for spec in specs} == {1, 2}
     assert plan_backward(16, 32, 128, 128, "bfloat16", 1.0, False, False, 1, 132).prepare in specs
 
 
