@@ -10,7 +10,8 @@ side as if they were separate sequences:
 2. `hopper.split_summary`: per partition, the affine map S_out = M S_in + h of its chunks, from a
    zero start (walked from the warm-up start; M dropped where the start is past chunk 0).
 3. `hopper.split_scan`: per sequence, S_in(p + 1) = M_p S_in(p) + h_p on the GPU.
-4. The ordinary fused forward then runs every partition from its true incoming state.
+4. The ordinary fused forward then runs every partition from its true incoming state; a
+   sequence's last partition writes the sequence's final state (`SplitPlan.final_rows`).
 
 The partitions reuse G and Ag of the prepare kernel unchanged (cuts fall on chunk boundaries,
 so the chunk-local quantities are the same). The backward runs over the same partitions
