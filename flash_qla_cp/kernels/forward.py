@@ -325,10 +325,11 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
     runtime.compile_plan(call.kernels, *call.companions)  # first use: every kernel of the call at once, in parallel
     kernels, plan = call.kernels, call.split
     store_states = kernels.fused.kwargs.get("store_states", False)
-    seq_tab = seq_offsets = seq_order = None
+    seq_tab = seq_offsets = seq_order = seq_rows = None
     if call.tables is not None:
         tabs = call.tables.device_tensors(q.device)  # built from the host offsets, cached with the plan
         seq_tab, seq_offsets, seq_order = tabs["seq_chunk_table"], tabs["seq_chunk_offsets"], tabs["seq_order"]
+        seq_rows = tabs["seq_rows"]
     use_h0 = initial_state is not None
     g_cum, ag, chunk_tab = run_prepare(kernels.prepare, k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
     saved = ForwardSaved(g_cum, ag, chunk_tab, seq_offsets, output_normed=kernels.applies_norm)
@@ -358,7 +359,11 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
                 states += (saved.chunk_offsets,)
         if varlen:
             saved.walk_order = seq_order if seq_order is not None else walk_order(cu)
-            kern(q, k, v, ag, g_cum, cu, saved.walk_order, h0, o, ht, *states, *norm_args)
+            # the rows of ht the walks write (sequence n: row n); not read without final states
+            rows = saved.walk_order
+            if output_final_state:
+                rows = seq_rows if seq_rows is not None else torch.arange(N, dtype=torch.int32, device=dev)
+            kern(q, k, v, ag, g_cum, cu, saved.walk_order, rows, h0, o, ht, *states, *norm_args)
         else:
             kern(q, k, v, ag, g_cum, h0, o, ht, *states, *norm_args)
     elif output_final_state:
@@ -394,17 +399,16 @@ def _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_
     s_in = split.scan_partitions(kernels.split.scan, m_part, h_part, idx["seq_parts"], h0)
 
     o = torch.empty(1, B * Tn, HV, V, dtype=q.dtype, device=dev)
-    ht = torch.empty(plan.num_parts if output_final_state else 1, HV, K, V, dtype=torch.float32, device=dev)
+    # only a sequence's last partition writes its state, into that sequence's row (`final_rows`)
+    ht = torch.empty(plan.num_seqs if output_final_state else 1, HV, K, V, dtype=torch.float32, device=dev)
     states = ()
     if store_states:
         states = (*_state_outputs(saved, int(idx["part_chunk_table"].shape[0]), vf, K), idx["part_chunk_offsets"])
     if norm_args and B > 1:  # (packed like the others)
         norm_args = (norm_args[0].reshape(1, B * Tn, -1), norm_args[1])
-    runtime.compile_kernel(kernels.fused)(qf, kf, vf, agf, gf, idx["part_cu"], idx["part_order"], s_in, o, ht, *states,
-                                          *norm_args)
-    # each sequence's last partition, gathered into a tensor of its own: a slice would keep every
-    # partition's state alive for as long as the caller keeps the final states (a prefill's cache)
-    final = state_kv_layout(ht.index_select(0, idx["last_parts"]), state_v_first) if output_final_state else None
+    runtime.compile_kernel(kernels.fused)(qf, kf, vf, agf, gf, idx["part_cu"], idx["part_order"], idx["final_rows"],
+                                          s_in, o, ht, *states, *norm_args)
+    final = state_kv_layout(ht, state_v_first) if output_final_state else None
     saved.split = SplitSaved(idx["part_cu"], idx["part_chunk_table"], idx["part_chunk_offsets"], idx["part_order"],
                              idx["seq_parts"], idx["first_parts"], s_in, m_part, dh_walk)
     return (o.reshape(B, Tn, HV, V) if B > 1 else o), final

@@ -10,7 +10,8 @@ side as if they were separate sequences:
 2. `hopper.split_summary`: per partition, the affine map S_out = M S_in + h of its chunks, from a
    zero start (walked from the warm-up start; M dropped where the start is past chunk 0).
 3. `hopper.split_scan`: per sequence, S_in(p + 1) = M_p S_in(p) + h_p on the GPU.
-4. The ordinary fused forward then runs every partition from its true incoming state.
+4. The ordinary fused forward then runs every partition from its true incoming state; a
+   sequence's last partition writes the sequence's final state (`SplitPlan.final_rows`).
 
 The partitions reuse G and Ag of the prepare kernel unchanged (cuts fall on chunk boundaries,
 so the chunk-local quantities are the same). The backward runs over the same partitions
@@ -98,7 +99,8 @@ class SplitPlan:
                 "seq_parts": torch.tensor(self.seq_parts, **i32).to(device),
                 "todo": torch.tensor(self.split_parts, **i32).to(device),
                 "first_parts": torch.tensor(self.first_parts(), dtype=torch.int64).to(device),
-                "last_parts": torch.tensor(self.last_parts(), dtype=torch.int64).to(device),
+                "final_rows": torch.tensor(self.final_rows(), **i32).to(device),
+                "seq_rows": torch.arange(len(self.seq_cu) - 1, **i32).to(device),
                 "part_chunk_table": host_chunk_table(self.part_cu, device),
                 "seq_chunk_table": host_chunk_table(self.seq_cu, device),
                 "part_chunk_offsets": host_chunk_offsets(self.part_cu, device),
@@ -113,11 +115,23 @@ class SplitPlan:
         return len(self.part_cu) - 1
 
     @property
+    def num_seqs(self) -> int:
+        return len(self.seq_parts) - 1
+
+    @property
     def is_trivial(self) -> bool:
         return not self.split_parts
 
     def last_parts(self) -> list:
         return [self.seq_parts[n + 1] - 1 for n in range(len(self.seq_parts) - 1)]
+
+    def final_rows(self) -> list:
+        """Per partition, the row of the final states its walk writes: its sequence's index if it
+        ends that sequence, else -1 (the fused forward's `ht_rows`)."""
+        rows = [-1] * self.num_parts
+        for n, p in enumerate(self.last_parts()):
+            rows[p] = n
+        return rows
 
     def first_parts(self) -> list:
         return self.seq_parts[:-1]

@@ -36,6 +36,9 @@ CASES = {
     # the intra-card split inside the kernels (forward and backward)
     "split_varlen_p8": Case((16384, 1000, 3001), intra_cp=8, slow_heads=True, seed=14),
     "split_varlen_auto": Case((20000, 77, 4096), intra_cp="auto", slow_heads=True, seed=15),
+    # empty sequences between split ones: their one empty partition hands the initial state on as
+    # the final state, into the sequence's own row
+    "split_varlen_zero_lengths": Case((0, 9000, 0, 3001, 0), intra_cp=4, slow_heads=True, seed=25),
     "split_dense_p4_vfirst": Case((8192, 8192), dense=True, intra_cp=4, state_v_first=True, slow_heads=True, seed=16),
     "split_k64_p16_no_h0": Case((12345,), HV=8, K=64, V=64, intra_cp=16, with_h0=False, slow_heads=True, seed=17),
     "split_tp1_auto": Case((16384 + 77,), H=16, HV=32, intra_cp="auto", slow_heads=True, seed=18),

@@ -133,6 +133,24 @@ def test_split_forward_launches_five_kernels_and_fills_nothing():
     assert o.shape == v.shape and ht.shape == (1, 4, 128, 128)
 
 
+def test_split_walk_writes_each_sequences_final_state_in_its_row():
+    """Packed sequences cut into partitions: the walk's ht has one row per sequence and only a
+    sequence's last partition writes it (ht_rows: its sequence's index, -1 for the others); the
+    unsplit varlen walk writes row n for sequence n. The op returns that tensor itself, no gather."""
+    q, k, v, g, beta = inputs(65536, 2, 4)
+    (_, ht, saved), launches, _ = run_recorded(lambda: forward(q, k, v, g, beta, True, False, cu=SPLIT_CU))
+    walk = next(args for spec, args in launches.calls if spec.name.startswith("build_fused_fwd"))
+    part_cu, rows, walk_ht = walk[5], walk[7], walk[10]
+    last = [int(p) - 1 for p in saved.split.seq_parts[1:]]
+    assert part_cu.numel() - 1 > 2 and rows.numel() == part_cu.numel() - 1
+    assert [int(r) for r in rows] == [last.index(p) if p in last else -1 for p in range(rows.numel())]
+    assert walk_ht.shape[0] == 2 and ht.data_ptr() == walk_ht.data_ptr()
+    cu = torch.tensor([0, 5000, 5003, 30000, 40000, 65536], dtype=torch.int32)
+    (_, ht, _), launches, _ = run_recorded(lambda: forward(q, k, v, g, beta, True, False, cu=cu, intra_cp="off"))
+    walk = next(args for spec, args in launches.calls if spec.name.startswith("build_fused_fwd"))
+    assert walk[7].tolist() == list(range(5)) and walk[10].shape[0] == 5 and ht.shape[0] == 5
+    assert_launches_match_signatures(launches)
+
 def test_wide_heads_stay_whole():
     """K = V = 256: the split's partition scan would not fit in shared memory, so 'auto' leaves
     a long sequence whole (prepare + walk) and an explicit partition count is refused."""

@@ -29,13 +29,14 @@ def state_io(T, K, BV, use_initial_state, store_final_state, state_v_first):
             T.clear(s_f)
 
     @T.macro
-    def store_final(s_f, ht, n, bhv, v0):
+    def store_final(s_f, ht, row, bhv, v0):
         if store_final_state:
-            if state_v_first:
-                for i, j in T.Parallel(K, BV):
-                    ht[n, bhv, v0 + j, i] = s_f[i, j]
-            else:
-                T.copy(s_f, ht[n, bhv, :, v0 : v0 + BV])
+            if row >= 0:  # -1: a partition that does not end its sequence (`ht_rows`)
+                if state_v_first:
+                    for i, j in T.Parallel(K, BV):
+                        ht[row, bhv, v0 + j, i] = s_f[i, j]
+                else:
+                    T.copy(s_f, ht[row, bhv, :, v0 : v0 + BV])
 
     return load_initial_state, store_final
 
@@ -81,6 +82,7 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
                 gc: T.Tensor((1, Ttot, HV), acc),
                 cu_seqlens: T.Tensor((N1,), "int32"),
                 order: T.Tensor((NS,), "int32"),
+                ht_rows: T.Tensor((NS,), "int32"),
                 h0: T.Tensor((N0, HV, *h_dims), acc),
                 o: T.Tensor((1, Ttot, HV, V), dtype),
                 ht: T.Tensor((NT, HV, *h_dims), acc),
@@ -91,7 +93,7 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
                 with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
                     n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)
                     s0 = cu_seqlens[n]
-                    body(q, k, v, ag, gc, h0, o, ht, 0, n, bhv, bv, s0, cu_seqlens[n + 1] - s0,
+                    body(q, k, v, ag, gc, h0, o, ht, 0, n, ht_rows[n], bhv, bv, s0, cu_seqlens[n + 1] - s0,
                          h_st, vres, chunk_offsets[n])
 
             return gdn_fwd_fused_varlen_states
@@ -107,6 +109,7 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
                 gc: T.Tensor((1, Ttot, HV), acc),
                 cu_seqlens: T.Tensor((N1,), "int32"),
                 order: T.Tensor((NS,), "int32"),
+                ht_rows: T.Tensor((NS,), "int32"),
                 h0: T.Tensor((N0, HV, *h_dims), acc),
                 o: T.Tensor((1, Ttot, HV, V), dtype),
                 ht: T.Tensor((NT, HV, *h_dims), acc),
@@ -116,7 +119,7 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
                 with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
                     n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)
                     s0 = cu_seqlens[n]
-                    body(q, k, v, ag, gc, h0, o, ht, 0, n, bhv, bv, s0, cu_seqlens[n + 1] - s0, P=P,
+                    body(q, k, v, ag, gc, h0, o, ht, 0, n, ht_rows[n], bhv, bv, s0, cu_seqlens[n + 1] - s0, P=P,
                          norm_weight=norm_weight)
 
             return gdn_fwd_fused_varlen_normed
@@ -130,6 +133,7 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
             gc: T.Tensor((1, Ttot, HV), acc),
             cu_seqlens: T.Tensor((N1,), "int32"),
             order: T.Tensor((NS,), "int32"),
+            ht_rows: T.Tensor((NS,), "int32"),
             h0: T.Tensor((N0, HV, *h_dims), acc),
             o: T.Tensor((1, Ttot, HV, V), dtype),
             ht: T.Tensor((NT, HV, *h_dims), acc),
@@ -137,7 +141,7 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
             with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
                 n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)
                 s0 = cu_seqlens[n]
-                body(q, k, v, ag, gc, h0, o, ht, 0, n, bhv, bv, s0, cu_seqlens[n + 1] - s0)
+                body(q, k, v, ag, gc, h0, o, ht, 0, n, ht_rows[n], bhv, bv, s0, cu_seqlens[n + 1] - s0)
 
         return gdn_fwd_fused_varlen
 
@@ -160,7 +164,7 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
             vres: T.Tensor((B, Tlen, HV, V), dtype),
         ):
             with T.Kernel(NV, B, HV, threads=threads) as (bv, bb, bhv):
-                body(q, k, v, ag, gc, h0, o, ht, bb, bb, bhv, bv, 0, Tlen, h_st, vres, bb * T.ceildiv(Tlen, C))
+                body(q, k, v, ag, gc, h0, o, ht, bb, bb, bb, bhv, bv, 0, Tlen, h_st, vres, bb * T.ceildiv(Tlen, C))
 
         return gdn_fwd_fused_states
 
@@ -180,7 +184,7 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
             norm_weight: T.Tensor((V,), acc),
         ):
             with T.Kernel(NV, B, HV, threads=threads) as (bv, bb, bhv):
-                body(q, k, v, ag, gc, h0, o, ht, bb, bb, bhv, bv, 0, Tlen, P=P, norm_weight=norm_weight)
+                body(q, k, v, ag, gc, h0, o, ht, bb, bb, bb, bhv, bv, 0, Tlen, P=P, norm_weight=norm_weight)
 
         return gdn_fwd_fused_normed
 
@@ -196,7 +200,7 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
         ht: T.Tensor((NT, HV, *h_dims), acc),
     ):
         with T.Kernel(NV, B, HV, threads=threads) as (bv, bb, bhv):
-            body(q, k, v, ag, gc, h0, o, ht, bb, bb, bhv, bv, 0, Tlen)
+            body(q, k, v, ag, gc, h0, o, ht, bb, bb, bb, bhv, bv, 0, Tlen)
 
     return gdn_fwd_fused
 

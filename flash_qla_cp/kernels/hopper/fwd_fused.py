@@ -51,7 +51,7 @@ def build_fused_fwd_kernel(
     load_initial_state, store_final = state_io(T, K, BV, use_initial_state, store_final_state, state_v_first)
 
     @T.macro
-    def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len):
+    def body(q, k, v, ag, gc, h0, o, ht, bb, n, ht_row, bhv, bv, t_start, seq_len):
         bh = bhv // G
         v0 = bv * BV
         q_s = T.alloc_shared((C, K), dtype)
@@ -125,6 +125,6 @@ def build_fused_fwd_kernel(
                 if i < L:
                     o[bb, t0 + i, bhv, v0 + j] = o_f[i, j]
 
-        store_final(s_f, ht, n, bhv, v0)
+        store_final(s_f, ht, ht_row, bhv, v0)
 
     return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, threads)

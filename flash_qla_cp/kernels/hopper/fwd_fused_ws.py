@@ -64,7 +64,7 @@ def build_fused_fwd_ws_kernel(
         T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_state, state_v_first)
 
     @T.macro
-    def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0):
+    def body(q, k, v, ag, gc, h0, o, ht, bb, n, ht_row, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0):
         v0 = bv * BV
         # ring of NS stages filled by the loader
         q_s = T.alloc_shared((NS, C, K), dtype)
@@ -129,7 +129,7 @@ def build_fused_fwd_ws_kernel(
                     s_f[i, j] = s_f[i, j] * T.exp2(glast * LOG2E)
                 T.gemm(k_s[s, :, :], vd_s, s_f, transpose_A=True)
                 T.barrier_arrive(data_free[s])
-            store_final(s_f, ht, n, bhv, v0)
+            store_final(s_f, ht, ht_row, bhv, v0)
         elif tx < 2 * WG:
             # ---- output warpgroup ----
             T.set_max_nreg(CONSUMER_REGS, 1)

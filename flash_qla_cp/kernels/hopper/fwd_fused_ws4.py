@@ -87,7 +87,7 @@ def build_fused_fwd_ws4_kernel(
         T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_state, state_v_first)
 
     @T.macro
-    def body(q, k, v, ag, gc, h0, o, ht, bb, n, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0, P=None,
+    def body(q, k, v, ag, gc, h0, o, ht, bb, n, ht_row, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0, P=None,
              norm_weight=None):
         v0 = bv * BV
         # ring of NS stages filled by the loader
@@ -147,7 +147,7 @@ def build_fused_fwd_ws4_kernel(
                 T.barrier_wait(vn_ready, c % 2)
                 T.gemm(k_s[s, :, :], vd_s, s_f, transpose_A=True)
                 T.barrier_arrive(data_free[s])
-            store_final(s_f, ht, n, bhv, v0)
+            store_final(s_f, ht, ht_row, bhv, v0)
         elif tx < 2 * WG:
             # ---- value warpgroup ----
             T.set_max_nreg(VALUE_REGS, 1)
