@@ -98,10 +98,13 @@ def fused_walk_kernel(walks: int, HV: int, K: int, V: int, sms: int, options: Ke
     return build_fused_fwd_ws_kernel, 16
 
 
-# Register cap of the prepare kernel (`tools/tune_prepare.py`, H100, 2026-12-05): 104 registers
-# uncapped (four blocks of 128 threads per SM); five blocks (92 registers, no spills) took 0.209 ms
-# instead of 0.216 at TP1 1 x 32k and 0.196 instead of 0.207 at 4 x 8k; eight spill and lose.
-PREPARE_BLOCKS_PER_SM = 5
+# Register cap and v-heads per block of the prepare kernel (`tools/tune_prepare.py`, H100,
+# 2026-12-07, every variant's outputs equal to the uncapped one-v-head kernel's bit for bit): two
+# v-heads of a qk-head per block (sharing the chunk's k k^T) at four blocks per SM (102 registers,
+# no spills) took 0.179 ms at TP1 1 x 32k and 0.184 at 8 varlen in 32k, against 0.198 / 0.204 for
+# one v-head at five blocks (the setting before); two v-heads at five blocks spill (0.197 / 0.188),
+# at six lose more. One v-head per block (no GVA): four blocks 0.194 / 0.201, uncapped 0.197 / 0.200.
+PREPARE_BLOCKS_PER_SM = 4
 # v-heads of one qk-head per prepare block under GVA (they share the chunk's k k^T)
 PREPARE_HEADS_PER_BLOCK = 2
 
