@@ -103,7 +103,8 @@ def fused_walk_kernel(walks: int, HV: int, K: int, V: int, sms: int, options: Ke
 # v-heads of a qk-head per block (sharing the chunk's k k^T) at four blocks per SM (102 registers,
 # no spills) took 0.179 ms at TP1 1 x 32k and 0.184 at 8 varlen in 32k, against 0.198 / 0.204 for
 # one v-head at five blocks (the setting before); two v-heads at five blocks spill (0.197 / 0.188),
-# at six lose more. One v-head per block (no GVA): four blocks 0.194 / 0.201, uncapped 0.197 / 0.200.
+# at six lose more. One v-head per block (the form where HV / H is odd), same shapes: four blocks
+# 0.194 / 0.201, uncapped 0.197 / 0.200.
 PREPARE_BLOCKS_PER_SM = 4
 # v-heads of one qk-head per prepare block under GVA (they share the chunk's k k^T)
 PREPARE_HEADS_PER_BLOCK = 2
