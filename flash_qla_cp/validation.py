@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .options import DEFAULT_OPTIONS, KernelOptions
@@ -19,7 +21,8 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
 
     With `cu_seqlens_cpu` (the caller's host copy, as FLA takes it) the offsets are checked on
     that copy, so a GPU cu_seqlens is not read back: no host sync, and the call can be captured
-    in a CUDA graph. The copy must hold the same offsets; only its length is compared."""
+    in a CUDA graph. The copy must hold the same offsets: its length is compared, and its values
+    too where cu_seqlens is itself on the CPU (no read-back needed)."""
     check_tensors(q, k, v, g, beta)
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.dtype not in FLOAT_DTYPES:
@@ -58,6 +61,8 @@ def check_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_
                 _fail(f"cu_seqlens_cpu must be a CPU tensor of cu_seqlens' shape {tuple(cu_seqlens.shape)}")
             if cu_seqlens.dtype not in (torch.int32, torch.int64):
                 _fail("cu_seqlens must be an int32/int64 tensor [N+1]")
+            if cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens.long(), cu_seqlens_cpu.long()):
+                _fail(f"cu_seqlens_cpu {cu_seqlens_cpu.tolist()} differs from cu_seqlens {cu_seqlens.tolist()}")
             host = cu_seqlens_cpu
         num_seqs = check_cu_seqlens(host, B, T)
     if initial_state is not None:
@@ -82,9 +87,12 @@ def check_tensors(q, k, v, g, beta):
 
 
 def check_scale(scale):
-    """scale: None (K ** -0.5) or a Python number. A tensor would get no gradient: rejected."""
+    """scale: None (K ** -0.5) or a finite Python number. A tensor would get no gradient: rejected;
+    NaN or inf would make every output NaN."""
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         _fail(f"scale must be a Python float (or None for K ** -0.5), got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
+        _fail(f"scale must be finite, got {scale}")
 
 
 def is_intra_option(value) -> bool:

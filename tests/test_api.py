@@ -272,6 +272,15 @@ def test_device_cu_seqlens_is_checked_on_its_host_copy():
         check_inputs(**x, cu_seqlens=on_device, cu_seqlens_cpu=torch.tensor([0, 17, 16], dtype=torch.int32))
 
 
+def test_host_copy_of_cpu_cu_seqlens_must_match():
+    # where cu_seqlens is itself on the CPU the copy's values are compared (no read-back needed)
+    x = _good()
+    edges = torch.tensor([0, 5, 16], dtype=torch.int32)
+    assert chunk_gated_delta_rule(**x, cu_seqlens=edges, cu_seqlens_cpu=edges.long())[0].shape[1] == 16
+    with pytest.raises(ValueError, match=r"cu_seqlens_cpu \[0, 9, 16\] differs from cu_seqlens \[0, 5, 16\]"):
+        chunk_gated_delta_rule(**x, cu_seqlens=edges, cu_seqlens_cpu=torch.tensor([0, 9, 16], dtype=torch.int32))
+
+
 def test_host_cu_seqlens_with_device_inputs_rejected():
     # the kernels would read a host address; a "meta" device stands in for the GPU here
     from flash_qla_cp.validation import check_inputs
@@ -313,6 +322,13 @@ def test_scale_must_be_a_python_number(scale):
     with pytest.raises(ValueError, match="scale must be a Python float"):
         chunk_gated_delta_rule(**_good(), scale=scale)
     assert chunk_gated_delta_rule(**_good(), scale=1)[0].shape[-1] == 8  # an int is a number
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_scale_must_be_finite(scale):
+    # every output would be NaN
+    with pytest.raises(ValueError, match="scale must be finite"):
+        chunk_gated_delta_rule(**_good(), scale=scale)
 
 
 def test_input_modified_in_place_before_backward_raises():

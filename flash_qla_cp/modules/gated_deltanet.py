@@ -172,6 +172,8 @@ class GatedDeltaNet(nn.Module):
             _fail(f"intra_cp must be 'auto', 'off' or a positive int, got {intra_cp!r}")
         if proj_layout not in ("qwen3_next", "qwen3_5"):
             _fail(f"proj_layout must be 'qwen3_next' or 'qwen3_5', got {proj_layout!r}")
+        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not 0 <= norm_eps < math.inf:
+            _fail(f"norm_eps must be a finite number >= 0, got {norm_eps!r}")
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.num_v_heads = num_v_heads

@@ -412,6 +412,8 @@ def test_bad_input_raises_clear_errors():
         (lambda: GatedDeltaNet(D, 2, 4, 0, 8), "head_k_dim"),
         (lambda: GatedDeltaNet(D, 2, 4, 8, 8, backend="cuda"), "backend"),
         (lambda: GatedDeltaNet(D, 2, 4, 8, 8, proj_layout="llama"), "proj_layout"),
+        (lambda: GatedDeltaNet(D, 2, 4, 8, 8, norm_eps=-1e-6), "norm_eps"),
+        (lambda: GatedDeltaNet(D, 2, 4, 8, 8, norm_eps=float("nan")), "norm_eps"),
     ]
     for fn, words in cases:
         with pytest.raises(ValueError, match=words):
