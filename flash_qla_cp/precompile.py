@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .backends import TILELANG_HEAD_DIMS
 from .kernels import runtime
 from .kernels.backward import plan_backward
 from .kernels.forward import gated_norm_key, plan_forward
@@ -165,8 +167,16 @@ def main(argv=None) -> int:
     K, V = args.head_k_dim or args.head_dim, args.head_v_dim or args.head_dim
     if H < 1 or HV % H or min(K, V) < 1:
         ap.error(f"--v-heads ({HV}) must be a positive multiple of --heads ({H}); head dims must be positive")
+    if K not in TILELANG_HEAD_DIMS or V not in TILELANG_HEAD_DIMS:
+        ap.error(f"the TileLang kernels support head dims {TILELANG_HEAD_DIMS}, got K={K}, V={V}")
     if any(d not in DTYPES for d in args.dtype.split(",")):
         ap.error(f"--dtype must name {sorted(DTYPES)}, got {args.dtype!r}")
+    if args.sms is not None and args.sms < 1:
+        ap.error(f"--sms must be a positive SM count, got {args.sms}")
+    if args.workers < 1:
+        ap.error(f"--workers must be at least 1, got {args.workers}")
+    if not 0 <= args.norm_eps < math.inf:
+        ap.error(f"--norm-eps must be a finite number >= 0, got {args.norm_eps}")
     if args.sms is None and not torch.cuda.is_available():
         ap.error("no GPU here: pass --sms (an H200 has 132) to list or compile for one")
     sms = args.sms or runtime.sm_count(torch.device("cuda"))

@@ -420,3 +420,18 @@ def test_a_kernel_compiled_here_loads_the_library_the_cache_saved_instead_of_bui
         assert loaded == [str(tmp_path / "executable.so")] and built == []
         runtime.DirectLaunch(_kernel_compiled_here(lambda: built.append(1)))  # no saved library
         assert built == [1] and len(loaded) == 1
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--heads", "2", "--head-dim", "96", "--sms", "132"], "support head dims"),
+    (["--heads", "2", "--sms", "0"], "--sms must be a positive SM count"),
+    (["--heads", "2", "--sms", "132", "--workers", "0"], "--workers must be at least 1"),
+    (["--heads", "2", "--sms", "132", "--layer", "qwen3_next", "--norm-eps", "-1"], "--norm-eps must be"),
+])
+def test_precompile_refuses_bad_flags(argv, words, capsys):
+    # a clear message instead of kernels the op would never launch, or a crash deep inside
+    from flash_qla_cp.precompile import main
+
+    with pytest.raises(SystemExit):
+        main([*argv, "--list"])
+    assert words in capsys.readouterr().err
