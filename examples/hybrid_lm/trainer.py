@@ -56,6 +56,27 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
 def _intra_cp(text: str):
     if text in ("auto", "off"):
         return text
@@ -80,13 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="intra-card CP split inside each rank: off | auto | N partitions (CPContext.build(intra_cp=); "
                         "with --cp 1 the op's intra_cp). Default: auto on CUDA (split inside the TileLang "
                         "kernels for sequences of 16k tokens and more), off on CPU")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=1.0,
+    p.add_argument("--lr", type=_positive_float, default=3e-3)
+    p.add_argument("--min-lr-ratio", type=_ratio, default=1.0,
                    help="cosine decay to lr * ratio over --decay-steps (1.0: constant after warm-up)")
     p.add_argument("--decay-steps", type=_non_negative_int, default=0, help="cosine horizon (0: --steps)")
     p.add_argument("--warmup", type=_non_negative_int, default=0, help="linear warm-up steps")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
+    p.add_argument("--weight-decay", type=_non_negative_float, default=0.1)
+    p.add_argument("--clip", type=_non_negative_float, default=1.0, help="global grad-norm clip (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-doc-bytes", type=_non_negative_int, default=64,
                    help="merge consecutive corpus paragraphs into documents of at least this many bytes "
@@ -106,10 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bf16 autocast on GPU, fp32 on CPU")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "tilelang"), help="GDN kernel backend")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
-    p.add_argument("--timeout", type=float, default=5.0,
+    p.add_argument("--timeout", type=_positive_float, default=5.0,
                    help="minutes a collective may wait for the other ranks before the job fails (a stalled "
                         "or failed rank then ends the run on every rank instead of hanging)")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--peak-tflops", type=_positive_float, default=None,
                    help="the device's dense bf16 peak, for the model FLOP utilisation (MFU) in the log; "
                         "default: 989 on H100 / H200 with bf16, else no MFU")
     p.add_argument("--threads", type=_non_negative_int, default=1,

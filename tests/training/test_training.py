@@ -271,6 +271,11 @@ def test_recompute_states_flag_reaches_every_gdn_layer():
     (["--layers", "0"], "--layers"),
     (["--threads", "-1"], "--threads"),
     (["--device", "tpu"], "--device"),
+    (["--lr", "nan"], "--lr"),
+    (["--clip", "-1"], "--clip"),
+    (["--min-lr-ratio", "2"], "--min-lr-ratio"),
+    (["--timeout", "0"], "--timeout"),
+    (["--peak-tflops", "-1"], "--peak-tflops"),
 ])
 def test_bad_flags_name_themselves(flags, words, capsys):
     with pytest.raises(SystemExit):
