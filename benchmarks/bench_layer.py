@@ -239,6 +239,7 @@ def main():
                     traceback.print_exc()
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+        write_results(args.out, meta, rows, args.merge)  # a run cut short keeps its timed rows
         if args.check_tokens:
             # the check runs one packed row of the layer's dims: shapes of equal dims share it
             key = (SHAPES[name][:4], min(args.check_tokens, SHAPES[name][5]))
@@ -246,7 +247,7 @@ def main():
                 checked[key] = accuracy(SHAPES[name], device, dtype, key[1])
             meta["accuracy"][name] = checked[key]
             print(json.dumps({"shape": name, "accuracy": meta["accuracy"][name]}), flush=True)
-        write_results(args.out, meta, rows, args.merge)  # after every shape: a run cut short keeps its rows
+            write_results(args.out, meta, rows, args.merge)  # and the shape's accuracy
 
 
 def write_results(out_dir, meta, rows, merge=None):
