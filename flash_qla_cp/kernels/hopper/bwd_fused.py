@@ -37,9 +37,10 @@ M's), and Pm over P's once the state warpgroup has read P: that shared memory ho
 slot of q and k.
 
 Registers (setmaxnreg): state 256, grad 224, loader and tail 24 (the three sum to the 3 x 168
-the block launches with: more would leave an increase waiting forever); ptxas (sm_90a) reports
-76 bytes of spill stores, 44 of them the tail's at 24 registers;
-setting the two consumers' registers to 248 / 232 or 240 / 240 spilled about as much. Shared
+the block launches with: more would leave an increase waiting forever); ptxas (sm_90a,
+`tools/kernel_sass.py`, 2026-12-07) reports 96 bytes of spill stores, 80 of them in the grad
+warpgroup and 8 in the loader and tail warps; setting the two consumers' registers to 248 / 232
+or 240 / 240 spilled about as much. Shared
 memory 225 KiB of the 227 a block may have (checked by the CPU lowering tests). Only the grad
 warpgroup may reduce across warps: TileLang's cross-warp reduction syncs on fixed named barriers
 (1 and 2), so two warpgroups reducing at once would meet at the same barrier (the tail warps sum
