@@ -324,6 +324,8 @@ def main():
             subprocess.run(["tar", "-xJf", args.tar, "-C", work], check=True)
         os.environ["TILELANG_CACHE_DIR"] = os.path.join(work, "tlcache")
 
+    # this checkout's package, not an installed one: a tree's kernels are what it compiles
+    sys.path.insert(0, os.path.abspath(ROOT))
     import tilelang.cuda.target as cuda_target
 
     cuda_target._detect_torch_cuda_arch = lambda: args.arch  # what target="cuda" resolves to there
