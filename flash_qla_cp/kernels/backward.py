@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..constants import CHUNK, KERNEL_GATE_FLOOR
+from ..constants import CHUNK
 from ..options import DEFAULT_OPTIONS, KernelOptions
 from . import runtime, split
 from .forward import ForwardSaved, prepare_spec, run_prepare
@@ -179,6 +179,7 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
 
     qf, kf = flat(q, H, K), flat(k, H, K)
     dof = flat(as_dtype(do, dt), HV, V)
+    g32 = flat(as_dtype(g, torch.float32), HV)
     b32 = flat(as_dtype(beta, torch.float32), HV)
 
     user_h0 = initial_state is not None
@@ -219,7 +220,7 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
     gcum = _saved_tensor(saved.g_cumsum, (1, Ttot, HV)) if fresh else None
     ag = _saved_tensor(saved.Ag, (1, Ttot, HV, CHUNK)) if fresh else None
     if gcum is None or ag is None or ag.dtype != dt:
-        gcum, ag, ctab = run_prepare(plan.prepare, kf, flat(as_dtype(g, torch.float32), HV), b32, cu_seqlens=cu,
+        gcum, ag, ctab = run_prepare(plan.prepare, kf, g32, b32, cu_seqlens=cu,
                                      chunk_tab=ctab)
     gcum = kernel_operand(as_dtype(gcum, torch.float32))
     ag = kernel_operand(ag)
@@ -270,12 +271,12 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
         else:
             dk_part = empty(1, Ttot, parts, K, dtype=dt, device=dev)
         if plan.fused_walk is not None:
-            runtime.compile_kernel(plan.fused_walk)(qf, kf, dof, vres, ag, gcum, b32, h_st, *walk_args, exit_grad,
+            runtime.compile_kernel(plan.fused_walk)(qf, kf, dof, vres, ag, gcum, g32, b32, h_st, *walk_args, exit_grad,
                                                     dq_part, dk_part, dv, dg, db, dh0)
         else:
             runtime.compile_kernel(plan.dh_walk)(qf, kf, dof, ag, gcum, *walk_args, exit_grad, dh_st, dvn, dv, dh0)
-            runtime.compile_kernel(plan.grad)(qf, kf, dof, vres, dvn, ag, gcum, b32, h_st, dh_st, cu, ctab, dq_part,
-                                              dk_part, dg, db)
+            runtime.compile_kernel(plan.grad)(qf, kf, dof, vres, dvn, ag, gcum, g32, b32, h_st, dh_st, cu, ctab,
+                                              dq_part, dk_part, dg, db)
         if fresh:
             _release(saved, keep=dk_part)
         del h_st, vres, ag, gcum, dh_st, dvn
@@ -295,9 +296,6 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
         if use_h0:
             dh0.copy_(dhtf if use_dht else torch.zeros_like(dh0))
 
-    # a gate below the kernels' floor was read as the floor: its gradient is 0 (not the rounding
-    # residue of the chunk's reverse sum)
-    dg = torch.where(flat(g, HV) < KERNEL_GATE_FLOOR, 0.0, dg)
     dg, db = as_dtype(dg, g.dtype), as_dtype(db, beta.dtype)
     if B > 1:
         dq, dk, dv = dq.reshape(B, Tn, -1, K), dk.reshape(B, Tn, -1, K), dv.reshape(B, Tn, HV, V)

@@ -862,7 +862,7 @@ def test_a_backward_spends_what_the_forward_kept(lengths, H):
     assert fused == (lengths[0] == 40000)
     assert not any(spec.name.startswith(("build_bwd_h", "build_prepare")) for spec, _ in first[2:])
     walk_args = next(args for spec, args in first if spec.name in walk_names)
-    vres, dk, h = walk_args[3], walk_args[13], walk_args[7 if fused else 8]
+    vres, dk, h = walk_args[3], walk_args[14], walk_args[8 if fused else 9]
     in_residuals = fused and H == 4
     assert (dk.data_ptr() == vres.data_ptr()) == in_residuals
     assert h.untyped_storage().nbytes() == 0  # freed once the walks were done

@@ -7,12 +7,14 @@ contract over V differently, then run the same steps on the C x C matrices:
   dAg = tril_incl(dvn vres^T)                  -> colsum(dAg o Ag) for dbeta
   dKK = -(Ag^T (dAg Ag^T)) o Gam, strictly lower -> its row / column sums with k k^T
   Pm  = scale tril_incl(dO v_new^T o Gam)      -> its row / column sums with q k^T
-  dg (reverse cumulative sum inside the chunk) and dbeta, stored for the valid rows
+  dg (reverse cumulative sum inside the chunk; 0 where the gate g is below the kernels' floor,
+  which prepare read as the floor) and dbeta, stored for the valid rows
 
 Gam_ij = exp(G_i - G_j). Each elementwise step has a loop of its own (the elementwise rule,
 hopper/common.py); G falls along the chunk, so clamping the exponent changes only masked entries.
 """
 
+from ...constants import KERNEL_GATE_FLOOR
 from .common import CHUNK, LOG2E
 
 
@@ -64,7 +66,7 @@ def chunk_terms(T, scale):
         T.copy(col_f, r_1c)
 
     @T.macro
-    def store_dg_dbeta(r_q, r_kw, r_kd, r_1r, r_1c, r_2r, r_2c, r_ab, sc_s, dg_s, b_s, dg_out, db_out, t0, bhv, L):
+    def store_dg_dbeta(r_q, r_kw, r_kd, r_1r, r_1c, r_2r, r_2c, r_ab, sc_s, dg_s, b_s, g, dg_out, db_out, t0, bhv, L):
         # dg from the row sums (plus the state terms sc_s on the last valid row), reverse
         # cumulative sum; dbeta from the dKK row sums and colsum(dAg o Ag), divided by beta
         for i in T.Parallel(C):
@@ -75,7 +77,8 @@ def chunk_terms(T, scale):
         T.cumsum(dg_s, dim=0, reverse=True)
         for i in T.Parallel(C):
             if i < L:
-                dg_out[0, t0 + i, bhv] = dg_s[i]
+                dg_out[0, t0 + i, bhv] = T.if_then_else(g[0, t0 + i, bhv] < T.float32(KERNEL_GATE_FLOOR), T.float32(0),
+                                                        dg_s[i])
                 db_out[0, t0 + i, bhv] = T.if_then_else(
                     b_s[i] != T.float32(0), (r_2r[i] + r_ab[i]) / b_s[i], T.float32(0)
                 )

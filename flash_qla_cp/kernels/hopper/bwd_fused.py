@@ -51,16 +51,17 @@ its rows >= L after the TMA copies land, so no product needs more masks than the
 The v-head chain (chain_v_heads, GVA; `v_head_chain.py`): a qk-head's v-heads are one cluster
 that adds their dq / dk rows in order into [1,T,H,K]; without it per-v-head parts [1,T,HV,K].
 
-Arguments: q, k [1,T,H,K]; do, vres [1,T,HV,V]; ag [1,T,HV,64] (dtype); gc, beta [1,T,HV]
-fp32; h [NC,HV,K,V] dtype (state entering each chunk); cu_seqlens, chunk_offsets [N+1] int32;
+Arguments: q, k [1,T,H,K]; do, vres [1,T,HV,V]; ag [1,T,HV,64] (dtype); gc, g (the gate as
+given), beta [1,T,HV] fp32; h [NC,HV,K,V] dtype (state entering each chunk); cu_seqlens, chunk_offsets [N+1] int32;
 order [N] int32 (the sequences in the order their blocks start, `kernels.tables.walk_order`);
 dht [NT,HV,K,V] fp32 (gradient of each sequence's final state; read when use_dht); outputs
 dq_out, dk_out dtype: [1,T,H,K] with the chain, else [1,T,HV,K] (per v-head parts, or with
 HV == H dq and dk), dv [1,T,HV,V] dtype,
-dg, db [1,T,HV] fp32 (dg already reverse-cumsummed inside the chunk), dh0 [N0,HV,K,V] fp32
+dg, db [1,T,HV] fp32 (dg already reverse-cumsummed inside the chunk, 0 where g < KERNEL_GATE_FLOOR), dh0 [N0,HV,K,V] fp32
 (written when store_dh0). Padding rows of a partial chunk carry q = k = v = 0 and beta = 0.
 """
 
+from ...constants import KERNEL_GATE_FLOOR
 from .common import CHUNK, LOG2E, checks_own_bounds, import_tilelang, lowers_slowly, ordered_block, tl_dtype
 from .v_head_chain import CHAIN_BARRIER, CHAIN_PRELUDE, MAX_CHAIN_GROUP
 
@@ -152,6 +153,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
         vres: T.Tensor((1, Ttot, HV, V), dtype),
         ag: T.Tensor((1, Ttot, HV, C), dtype),
         gc: T.Tensor((1, Ttot, HV), acc),
+        g: T.Tensor((1, Ttot, HV), acc),
         beta: T.Tensor((1, Ttot, HV), acc),
         h: T.Tensor((NC, HV, K, V), dtype),
         cu_seqlens: T.Tensor((N1,), "int32"),
@@ -570,6 +572,9 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         t0 = s0 + c * C
                         L = T.min(seq_len - c * C, C)
                         s = cc % 2
+                        # a gate below the floor was read as the floor: its gradient is 0, not the
+                        # rounding residue of the reverse sum (read before the wait: off its path)
+                        floored = g[0, t0 + T.min(row, L - 1), bhv] < T.float32(KERNEL_GATE_FLOOR)
                         T.barrier_wait(tail_ready[s], (cc // 2) % 2)
                         dg_v = (r_s[s, 2, row] + r_s[s, 3, row] - r_s[s, 4, row] + r_s[s, 0, row] - r_s[s, 1, row]
                                 + xr_s[s, 1, row] - xr_s[s, 2, row])
@@ -584,7 +589,7 @@ def build_bwd_fused_ws_kernel(H: int, HV: int, K: int, V: int, dtype: str, scale
                         T.sync_threads(TAIL_BARRIER, C)
                         dg_v = dg_v + T.if_then_else(row < 32, wt_s[s, 1], T.float32(0)) + wt_s[s, 2] + wt_s[s, 3]
                         if row < L:
-                            dg[0, t0 + row, bhv] = dg_v
+                            dg[0, t0 + row, bhv] = T.if_then_else(floored, T.float32(0), dg_v)
                             db[0, t0 + row, bhv] = T.if_then_else(
                                 b_s[s, row] != T.float32(0), (xr_s[s, 1, row] + xr_s[s, 0, row]) / b_s[s, row],
                                 T.float32(0))

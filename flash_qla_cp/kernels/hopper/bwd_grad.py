@@ -43,6 +43,7 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
         dvn: T.Tensor((1, Ttot, HV, V), dtype),
         ag: T.Tensor((1, Ttot, HV, C), dtype),
         gc: T.Tensor((1, Ttot, HV), acc),
+        g: T.Tensor((1, Ttot, HV), acc),
         beta: T.Tensor((1, Ttot, HV), acc),
         h: T.Tensor((NC, HV, K, V), dtype),
         dh: T.Tensor((NC, HV, K, V), dtype),
@@ -209,8 +210,8 @@ def build_bwd_grad_group_kernel(H: int, HV: int, K: int, V: int, dtype: str, sca
                 T.gemm(m2_s, k_s, dk_f)
                 T.gemm(m2_s, k_s, dk_f, transpose_A=True)
 
-                store_dg_dbeta(r_q, r_kw, r_kd, r_1r, r_1c, r_2r, r_2c, r_ab, sc_s, dg_s, b_s, dg_out, db_out, t0, bhv,
-                               L)
+                store_dg_dbeta(r_q, r_kw, r_kd, r_1r, r_1c, r_2r, r_2c, r_ab, sc_s, dg_s, b_s, g, dg_out, db_out, t0,
+                               bhv, L)
 
             if L == C:
                 T.copy(dq_f, dq_out[0, t0 : t0 + C, bh, :])

@@ -48,6 +48,7 @@ def build_bwd_grad_wide_kernel(H: int, HV: int, K: int, V: int, dtype: str, scal
         dvn: T.Tensor((1, Ttot, HV, V), dtype),
         ag: T.Tensor((1, Ttot, HV, C), dtype),
         gc: T.Tensor((1, Ttot, HV), acc),
+        g: T.Tensor((1, Ttot, HV), acc),
         beta: T.Tensor((1, Ttot, HV), acc),
         h: T.Tensor((NC, HV, K, V), dtype),
         dh: T.Tensor((NC, HV, K, V), dtype),
@@ -200,7 +201,8 @@ def build_bwd_grad_wide_kernel(H: int, HV: int, K: int, V: int, dtype: str, scal
             T.gemm(m2_s, k_s, dk_f)
             T.gemm(m2_s, k_s, dk_f, transpose_A=True)
 
-            store_dg_dbeta(r_q, r_kw, r_kd, r_1r, r_1c, r_2r, r_2c, r_ab, sc_s, dg_s, b_s, dg_out, db_out, t0, bhv, L)
+            store_dg_dbeta(r_q, r_kw, r_kd, r_1r, r_1c, r_2r, r_2c, r_ab, sc_s, dg_s, b_s, g, dg_out, db_out, t0, bhv,
+                           L)
             for i, d in T.Parallel(C, K):
                 if i < L:
                     dq_part[0, t0 + i, bhv, d] = dq_f[i, d]
