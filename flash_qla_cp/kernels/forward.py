@@ -3,7 +3,8 @@
 Per (chunk, v-head) the prepare kernel writes G (the chunk-local cumulative gate) and Ag (the
 gated UT matrix); one fused walk per (V block, sequence or partition, v-head) then carries the
 state S [K, V] from chunk to chunk in registers and writes o and the final state
-(docs/algorithm.md). With `intra_cp` long sequences are cut into partitions first
+(docs/algorithm.md). The walks always take packed sequences: a dense batch [B, T] runs as B
+sequences of T (as in the backward). With `intra_cp` long sequences are cut into partitions first
 (`kernels/split.py`). What the backward needs is returned as a `ForwardSaved`.
 """
 
@@ -128,8 +129,9 @@ def plan_forward(H: int, HV: int, K: int, V: int, dtype: str, scale: float, varl
                  gated_norm: tuple | None = None) -> ForwardPlan:
     """The kernels of a forward call (cached: every call of a training loop asks the same).
 
-    walks: sequences, or partitions when split; split_seqs: the number of sequences when the call
-    is split (0: not split). save_states: the fused walk also stores each chunk's entering state
+    varlen: the inputs are packed (the prepare kernel's form; the walk takes packed sequences either
+    way). walks: sequences, or partitions when split; split_seqs: the number of sequences when
+    the call is split (0: not split). save_states: the fused walk also stores each chunk's entering state
     and v - exp(G) k S for the backward (the warp-specialised kernels, K <= 128; ignored else).
     gated_norm: `OutputNorm.key` of a norm the walk may apply to o (only the four-warpgroup
     walk with whole rows of o and no stored states does: `ForwardPlan.applies_norm`).
@@ -144,12 +146,12 @@ def plan_forward(H: int, HV: int, K: int, V: int, dtype: str, scale: float, varl
             summary=KernelSpec.of(build_state_summary_kernel, H=H, HV=HV, K=K, V=V, dtype=dtype),
             scan=split.scan_spec(HV, K, V, False, split_seqs, sms, use_s0=bool(use_initial_state)),
         )
-        # the walk runs over the partitions, packed, each entered with its scanned state
-        varlen, use_initial_state, state_v_first = True, True, False
+        # the walk runs over the partitions, each entered with its scanned state
+        use_initial_state, state_v_first = True, False
     extra = {"store_states": True} if save_states and factory is not build_fused_fwd_kernel else {}
     if gated_norm is not None and factory is build_fused_fwd_ws4_kernel and block_v == V and not extra:
         extra = {"gated_norm": tuple(gated_norm)}
-    fused = KernelSpec.of(factory, H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), is_varlen=bool(varlen),
+    fused = KernelSpec.of(factory, H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), is_varlen=True,
                           use_initial_state=bool(use_initial_state), store_final_state=bool(output_final_state),
                           state_v_first=bool(state_v_first), block_v=block_v, **extra)
     return ForwardPlan(prepare, fused, split_specs)
@@ -193,7 +195,7 @@ class ForwardSaved:
     sequence), chunk_offsets [N + 1] (each sequence's first chunk; None where nothing needed it)
     and walk_order [N] (the walks' sequence order, unsplit only). With save_states: h_states
     [NC, HV, K, V] (the state entering each chunk, of the partitions when split) and vres
-    [B, T, HV, V] (v - exp(G) k S), both in the input dtype; without them the backward
+    [1, B * T, HV, V] (v - exp(G) k S, packed), both in the input dtype; without them the backward
     recomputes both (its h walk). They serve one backward: it marks them `spent` (and frees or
     overwrites them, G and Ag too); a second backward recomputes those four.
     """
@@ -265,22 +267,27 @@ def splits(intra_cp, Tn: int, N: int) -> bool:
     return intra_cp not in ("off", 1) and Tn > 0 and N > 0
 
 
+def packed_offsets(B: int, Tn: int) -> list:
+    """The offsets of a dense batch [B, Tn] as B packed sequences (its walks' tables)."""
+    return [b * Tn for b in range(B + 1)]
+
+
 def plan_call(B, Tn, H, HV, K, V, dtype, scale, varlen: bool, N: int, cu_host, intra_cp, use_initial_state: bool,
               output_final_state: bool, state_v_first: bool, save_states: bool, options: KernelOptions, sms: int,
               backward_plan=None, compile_with=(), gated_norm: tuple | None = None) -> CallPlan:
     """The plans of a forward call from its shapes: `tilelang_forward` runs them, and a caller
     (the fused layer's first call) can compile them before it has the call's inputs.
 
-    cu_host: the sequences' offsets on the host (list or CPU tensor), or None (dense; varlen
-    neither split nor given a host copy); intra_cp as `split_setting` leaves it; gated_norm as
-    `plan_forward` takes it."""
+    cu_host: the sequences' offsets on the host (list or CPU tensor), or None (varlen neither split
+    nor given a host copy; a dense batch's are `packed_offsets`); intra_cp as `split_setting`
+    leaves it; gated_norm as `plan_forward` takes it."""
     if torch.is_tensor(cu_host):
         cu_host = cu_host.tolist()
+    if not varlen:
+        cu_host = packed_offsets(B, Tn)
     tables = plan = None
-    if varlen and cu_host is not None:
+    if cu_host is not None:
         plan = tables = split.plan_split(cu_host, HV, V, intra_cp if splits(intra_cp, Tn, N) else 1, sms)
-    elif splits(intra_cp, Tn, N):
-        plan = split.plan_split([b * Tn for b in range(B + 1)], HV, V, intra_cp, sms)
     if plan is not None and plan.is_trivial:
         plan = None
     kernels = plan_forward(H, HV, K, V, dtype, float(scale), varlen, use_initial_state, output_final_state,
@@ -330,13 +337,16 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
     kernels, plan = call.kernels, call.split
     store_states = kernels.fused.kwargs.get("store_states", False)
     seq_tab = seq_offsets = seq_order = seq_rows = None
+    tabs = None
     if call.tables is not None:
         tabs = call.tables.device_tensors(q.device)  # built from the host offsets, cached with the plan
         seq_tab, seq_offsets, seq_order = tabs["seq_chunk_table"], tabs["seq_chunk_offsets"], tabs["seq_order"]
         seq_rows = tabs["seq_rows"]
     use_h0 = initial_state is not None
-    g_cum, ag, chunk_tab = run_prepare(kernels.prepare, k, g, beta, cu_seqlens=cu, chunk_tab=seq_tab)
-    saved = ForwardSaved(g_cum, ag, chunk_tab, seq_offsets, output_normed=kernels.applies_norm)
+    # the prepare kernel takes the inputs as they are (a dense batch's own kernel: no chunk table)
+    g_cum, ag, chunk_tab = run_prepare(kernels.prepare, k, g, beta, cu_seqlens=cu,
+                                       chunk_tab=seq_tab if varlen else None)
+    saved = ForwardSaved(g_cum, ag, chunk_tab, seq_offsets if varlen else None, output_normed=kernels.applies_norm)
     norm_args = ()
     if kernels.applies_norm:
         norm_args = (kernel_operand(output_norm.rows), kernel_operand(output_norm.weight.float()))
@@ -350,29 +360,38 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
     # without an initial state the kernel is built not to read one: a placeholder, not filled (no launch)
     h0 = kernel_operand(initial_state.float()) if use_h0 else torch.empty(1, HV, *sdims, dtype=torch.float32, device=dev)
     ht = torch.empty(N if output_final_state else 1, HV, *sdims, dtype=torch.float32, device=dev)
-    o = torch.empty(B, Tn, HV, V, dtype=q.dtype, device=dev)
+    o = torch.empty(1, B * Tn, HV, V, dtype=q.dtype, device=dev)
     if Tn > 0 and N > 0:
-        kern = runtime.compile_kernel(kernels.fused)
+        # the walk over packed sequences: a dense batch's B rows of Tn as B sequences, with the
+        # tables of its offsets (the walks' block order is then the varlen one, all v-heads of a
+        # sequence together: `ordered_block`)
+        qf, kf, vf, agf, gf = (_packed(x) for x in (q, k, v, ag, g_cum))
+        if norm_args:
+            norm_args = (_packed(norm_args[0]), norm_args[1])
+        if not varlen:
+            cu, chunk_tab = tabs["seq_cu"], seq_tab
         states = ()
         if store_states:
-            n_chunks = chunk_tab.shape[0] if varlen else B * (-(-Tn // CHUNK))
-            states = _state_outputs(saved, n_chunks, v, K)
-            if varlen:
-                if saved.chunk_offsets is None:
-                    saved.chunk_offsets = chunk_offsets(cu)
-                states += (saved.chunk_offsets,)
+            if seq_offsets is None:
+                seq_offsets = saved.chunk_offsets = chunk_offsets(cu)
+            states = (*_state_outputs(saved, chunk_tab.shape[0], vf, K), seq_offsets)
+        order = seq_order if seq_order is not None else walk_order(cu)
         if varlen:
-            saved.walk_order = seq_order if seq_order is not None else walk_order(cu)
-            # the rows of ht the walks write (sequence n: row n); not read without final states
-            rows = saved.walk_order
-            if output_final_state:
-                rows = seq_rows if seq_rows is not None else torch.arange(N, dtype=torch.int32, device=dev)
-            kern(q, k, v, ag, g_cum, cu, saved.walk_order, rows, h0, o, ht, *states, *norm_args)
-        else:
-            kern(q, k, v, ag, g_cum, h0, o, ht, *states, *norm_args)
+            saved.walk_order = order
+        # the rows of ht the walks write (sequence n: row n); not read without final states
+        rows = order
+        if output_final_state:
+            rows = seq_rows if seq_rows is not None else torch.arange(N, dtype=torch.int32, device=dev)
+        runtime.compile_kernel(kernels.fused)(qf, kf, vf, agf, gf, cu, order, rows, h0, o, ht, *states, *norm_args)
     elif output_final_state:
         ht.copy_(h0 if use_h0 else torch.zeros_like(ht))
-    return o, (ht if output_final_state else None), saved
+    return o.reshape(B, Tn, HV, V) if B > 1 else o, (ht if output_final_state else None), saved
+
+
+def _packed(x):
+    """x [B, T, ...] as one packed row [1, B * T, ...] (a view; B == 1 as it is: each reshape is host
+    time)."""
+    return x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]) if x.shape[0] > 1 else x
 
 
 def _state_outputs(saved: ForwardSaved, n_chunks, v, K):
@@ -393,8 +412,7 @@ def _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_
     B, Tn, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
-    # packed [1, B*T, ...] (B == 1 inputs already are: no reshape, each costs host time)
-    qf, kf, vf, agf, gf = (x.reshape(1, B * Tn, *x.shape[2:]) if B > 1 else x for x in (q, k, v, ag, g_cum))
+    qf, kf, vf, agf, gf = (_packed(x) for x in (q, k, v, ag, g_cum))
 
     idx = plan.device_tensors(dev)
     starts, dh_walk = split.decay_tables(kernels.split.decay_tables, gf, plan)
@@ -408,8 +426,8 @@ def _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_
     states = ()
     if store_states:
         states = (*_state_outputs(saved, int(idx["part_chunk_table"].shape[0]), vf, K), idx["part_chunk_offsets"])
-    if norm_args and B > 1:  # (packed like the others)
-        norm_args = (norm_args[0].reshape(1, B * Tn, -1), norm_args[1])
+    if norm_args:
+        norm_args = (_packed(norm_args[0]), norm_args[1])
     runtime.compile_kernel(kernels.fused)(qf, kf, vf, agf, gf, idx["part_cu"], idx["part_order"], idx["final_rows"],
                                           s_in, o, ht, *states, *norm_args)
     final = state_kv_layout(ht, state_v_first) if output_final_state else None

@@ -101,6 +101,7 @@ class SplitPlan:
                 "first_parts": torch.tensor(self.first_parts(), dtype=torch.int64).to(device),
                 "final_rows": torch.tensor(self.final_rows(), **i32).to(device),
                 "seq_rows": torch.arange(self.num_seqs, **i32).to(device),
+                "seq_cu": torch.tensor(self.seq_cu, **i32).to(device),
                 "part_chunk_table": host_chunk_table(self.part_cu, device),
                 "seq_chunk_table": host_chunk_table(self.seq_cu, device),
                 "part_chunk_offsets": host_chunk_offsets(self.part_cu, device),
