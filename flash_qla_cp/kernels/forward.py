@@ -151,7 +151,7 @@ def plan_forward(H: int, HV: int, K: int, V: int, dtype: str, scale: float, varl
     extra = {"store_states": True} if save_states and factory is not build_fused_fwd_kernel else {}
     if gated_norm is not None and factory is build_fused_fwd_ws4_kernel and block_v == V and not extra:
         extra = {"gated_norm": tuple(gated_norm)}
-    fused = KernelSpec.of(factory, H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale), is_varlen=True,
+    fused = KernelSpec.of(factory, H=H, HV=HV, K=K, V=V, dtype=dtype, scale=float(scale),
                           use_initial_state=bool(use_initial_state), store_final_state=bool(output_final_state),
                           state_v_first=bool(state_v_first), block_v=block_v, **extra)
     return ForwardPlan(prepare, fused, split_specs)

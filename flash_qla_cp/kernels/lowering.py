@@ -148,8 +148,8 @@ _WARP_SPECIALISED = ("build_fused_fwd_ws_kernel", "build_fused_fwd_ws4_kernel", 
 def _case(tag: str, spec: KernelSpec) -> LoweringCase:
     p = spec.kwargs
     entry = _ENTRIES[spec.name]
-    if spec.name == "build_prepare_kernel" or "fused_fwd" in spec.name:
-        entry += "_varlen" if p["is_varlen"] else ""
+    if "fused_fwd" in spec.name or spec.name == "build_prepare_kernel" and p["is_varlen"]:
+        entry += "_varlen"  # (the walks always take packed sequences)
     entry += "_states" if p.get("store_states") else "_normed" if p.get("gated_norm") else ""
     entry += "_limited" if p.get("limit_chunks") else ""
     if spec.name in _ELEMENTWISE:

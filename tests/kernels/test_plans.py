@@ -53,7 +53,7 @@ def test_split_forward_plan():
                                               plan.fused.name]
     assert plan.split.scan.kwargs["use_s0"] is False and not plan.split.scan.kwargs["reverse"]
     f = plan.fused.kwargs
-    assert f["is_varlen"] and f["use_initial_state"] and not f["state_v_first"]
+    assert f["use_initial_state"] and not f["state_v_first"]
     with_h0 = plan_forward(2, 4, 128, 128, "bfloat16", 0.1, False, True, True, True, 16, SMS, split_seqs=1)
     assert "use_s0" not in with_h0.split.scan.kwargs
 

@@ -63,7 +63,7 @@ def test_logged_kernels_read_back_as_specs(tmp_path, monkeypatch):
         KernelSpec.of(build_bwd_fused_ws_kernel, H=16, HV=32, K=128, V=128, dtype="bfloat16", scale=128**-0.5,
                       use_dht=True, store_dh0=False),
         KernelSpec.of(build_fused_fwd_ws4_kernel, H=16, HV=32, K=128, V=128, dtype="bfloat16", scale=128**-0.5,
-                      is_varlen=True, use_initial_state=False, store_final_state=False, state_v_first=False,
+                      use_initial_state=False, store_final_state=False, state_v_first=False,
                       block_v=128, gated_norm=(12352, 512, 768, 1e-06)),  # (a tuple parameter)
     ]
     for spec in logged:

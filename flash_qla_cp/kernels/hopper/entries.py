@@ -41,21 +41,23 @@ def state_io(T, K, BV, use_initial_state, store_final_state, state_v_first):
     return load_initial_state, store_final
 
 
-def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, threads, store_states=False,
+def fused_fwd_entry(body, H, HV, K, V, dtype, state_v_first, NV, threads, store_states=False,
                     norm_width=0):
     """The fused forward's PrimFunc around `body` (the per-CTA walk of one sequence, v-head and
     V block): the argument list of the SPEC and the grid (NV, sequences, HV). Shared by the
-    single-warpgroup kernel and the warp-specialised one (`fwd_fused_ws.py`).
+    single-warpgroup kernel and the warp-specialised ones (`fwd_fused_ws.py`, `fwd_fused_ws4.py`).
+    The sequences are packed: q, k [1, T, H, K], v, o [1, T, HV, V], ag [1, T, HV, 64], gc
+    [1, T, HV], then cu_seqlens [N + 1] int32 and an int32 [N] `order` (the sequences in the
+    order their blocks start, `kernels.tables.walk_order`, longest first) and `ht_rows` [N]
+    (the row of ht each sequence's walk writes, -1: none).
 
     store_states (warp-specialised body only) appends the outputs the backward would otherwise
-    recompute: h_st [NC, HV, K, V] dtype, the state entering each chunk, and vres [B, T, HV, V]
-    dtype, v - exp(G) (k S) (`bwd_h.build_bwd_h_kernel` writes the same two); chunk
-    c of sequence n is row chunk_offsets[n] + c (varlen: an int32 [N + 1] argument after them;
-    dense: b * ceil(T / 64) + c). Varlen grids take an int32 [N] `order` after cu_seqlens: the
-    sequences in the order their blocks start (`kernels.tables.walk_order`, longest first).
+    recompute: h_st [NC, HV, K, V] dtype, the state entering each chunk, and vres [1, T, HV, V]
+    dtype, v - exp(G) (k S) (`bwd_h.build_bwd_h_kernel` writes the same two), then
+    chunk_offsets [N + 1] int32: chunk c of sequence n is row chunk_offsets[n] + c.
 
     norm_width (a body that applies the layer's gated norm, `fwd_fused_ws4.py`): the PrimFunc
-    takes the projection rows P [B, T, norm_width] dtype and the norm's weight [V] fp32 after ht
+    takes the projection rows P [1, T, norm_width] dtype and the norm's weight [V] fp32 after ht
     and hands them to `body` as P, norm_weight."""
     _, T = import_tilelang()
     C = CHUNK
@@ -65,67 +67,14 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
     N0 = T.dynamic("n_h0")
     NT = T.dynamic("n_ht")
     NC = T.dynamic("num_chunks")
+    Ttot = T.dynamic("num_tokens")
+    N1 = T.dynamic("num_seqs_plus_one")
+    NS = T.dynamic("num_seqs")  # order: the walk order of the sequences (`walk_order`)
 
-    if is_varlen:
-        Ttot = T.dynamic("num_tokens")
-        N1 = T.dynamic("num_seqs_plus_one")
-        NS = T.dynamic("num_seqs")  # order: the walk order of the sequences (`walk_order`)
-
-        if store_states:
-
-            @T.prim_func
-            def gdn_fwd_fused_varlen_states(
-                q: T.Tensor((1, Ttot, H, K), dtype),
-                k: T.Tensor((1, Ttot, H, K), dtype),
-                v: T.Tensor((1, Ttot, HV, V), dtype),
-                ag: T.Tensor((1, Ttot, HV, C), dtype),
-                gc: T.Tensor((1, Ttot, HV), acc),
-                cu_seqlens: T.Tensor((N1,), "int32"),
-                order: T.Tensor((NS,), "int32"),
-                ht_rows: T.Tensor((NS,), "int32"),
-                h0: T.Tensor((N0, HV, *h_dims), acc),
-                o: T.Tensor((1, Ttot, HV, V), dtype),
-                ht: T.Tensor((NT, HV, *h_dims), acc),
-                h_st: T.Tensor((NC, HV, K, V), dtype),
-                vres: T.Tensor((1, Ttot, HV, V), dtype),
-                chunk_offsets: T.Tensor((N1,), "int32"),
-            ):
-                with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
-                    n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)
-                    s0 = cu_seqlens[n]
-                    body(q, k, v, ag, gc, h0, o, ht, 0, n, ht_rows[n], bhv, bv, s0, cu_seqlens[n + 1] - s0,
-                         h_st, vres, chunk_offsets[n])
-
-            return gdn_fwd_fused_varlen_states
-
-        if norm_width:
-
-            @T.prim_func
-            def gdn_fwd_fused_varlen_normed(
-                q: T.Tensor((1, Ttot, H, K), dtype),
-                k: T.Tensor((1, Ttot, H, K), dtype),
-                v: T.Tensor((1, Ttot, HV, V), dtype),
-                ag: T.Tensor((1, Ttot, HV, C), dtype),
-                gc: T.Tensor((1, Ttot, HV), acc),
-                cu_seqlens: T.Tensor((N1,), "int32"),
-                order: T.Tensor((NS,), "int32"),
-                ht_rows: T.Tensor((NS,), "int32"),
-                h0: T.Tensor((N0, HV, *h_dims), acc),
-                o: T.Tensor((1, Ttot, HV, V), dtype),
-                ht: T.Tensor((NT, HV, *h_dims), acc),
-                P: T.Tensor((1, Ttot, W), dtype),
-                norm_weight: T.Tensor((V,), acc),
-            ):
-                with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
-                    n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)
-                    s0 = cu_seqlens[n]
-                    body(q, k, v, ag, gc, h0, o, ht, 0, n, ht_rows[n], bhv, bv, s0, cu_seqlens[n + 1] - s0, P=P,
-                         norm_weight=norm_weight)
-
-            return gdn_fwd_fused_varlen_normed
+    if store_states:
 
         @T.prim_func
-        def gdn_fwd_fused_varlen(
+        def gdn_fwd_fused_varlen_states(
             q: T.Tensor((1, Ttot, H, K), dtype),
             k: T.Tensor((1, Ttot, H, K), dtype),
             v: T.Tensor((1, Ttot, HV, V), dtype),
@@ -137,72 +86,64 @@ def fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, thre
             h0: T.Tensor((N0, HV, *h_dims), acc),
             o: T.Tensor((1, Ttot, HV, V), dtype),
             ht: T.Tensor((NT, HV, *h_dims), acc),
+            h_st: T.Tensor((NC, HV, K, V), dtype),
+            vres: T.Tensor((1, Ttot, HV, V), dtype),
+            chunk_offsets: T.Tensor((N1,), "int32"),
         ):
             with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
                 n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)
                 s0 = cu_seqlens[n]
-                body(q, k, v, ag, gc, h0, o, ht, 0, n, ht_rows[n], bhv, bv, s0, cu_seqlens[n + 1] - s0)
+                body(q, k, v, ag, gc, h0, o, ht, n, ht_rows[n], bhv, bv, s0, cu_seqlens[n + 1] - s0,
+                     h_st, vres, chunk_offsets[n])
 
-        return gdn_fwd_fused_varlen
-
-    B = T.dynamic("batch")
-    Tlen = T.dynamic("seq_len")
-
-    if store_states:
-
-        @T.prim_func
-        def gdn_fwd_fused_states(
-            q: T.Tensor((B, Tlen, H, K), dtype),
-            k: T.Tensor((B, Tlen, H, K), dtype),
-            v: T.Tensor((B, Tlen, HV, V), dtype),
-            ag: T.Tensor((B, Tlen, HV, C), dtype),
-            gc: T.Tensor((B, Tlen, HV), acc),
-            h0: T.Tensor((N0, HV, *h_dims), acc),
-            o: T.Tensor((B, Tlen, HV, V), dtype),
-            ht: T.Tensor((NT, HV, *h_dims), acc),
-            h_st: T.Tensor((NC, HV, K, V), dtype),
-            vres: T.Tensor((B, Tlen, HV, V), dtype),
-        ):
-            with T.Kernel(NV, B, HV, threads=threads) as (bv, bb, bhv):
-                body(q, k, v, ag, gc, h0, o, ht, bb, bb, bb, bhv, bv, 0, Tlen, h_st, vres, bb * T.ceildiv(Tlen, C))
-
-        return gdn_fwd_fused_states
+        return gdn_fwd_fused_varlen_states
 
     if norm_width:
 
         @T.prim_func
-        def gdn_fwd_fused_normed(
-            q: T.Tensor((B, Tlen, H, K), dtype),
-            k: T.Tensor((B, Tlen, H, K), dtype),
-            v: T.Tensor((B, Tlen, HV, V), dtype),
-            ag: T.Tensor((B, Tlen, HV, C), dtype),
-            gc: T.Tensor((B, Tlen, HV), acc),
+        def gdn_fwd_fused_varlen_normed(
+            q: T.Tensor((1, Ttot, H, K), dtype),
+            k: T.Tensor((1, Ttot, H, K), dtype),
+            v: T.Tensor((1, Ttot, HV, V), dtype),
+            ag: T.Tensor((1, Ttot, HV, C), dtype),
+            gc: T.Tensor((1, Ttot, HV), acc),
+            cu_seqlens: T.Tensor((N1,), "int32"),
+            order: T.Tensor((NS,), "int32"),
+            ht_rows: T.Tensor((NS,), "int32"),
             h0: T.Tensor((N0, HV, *h_dims), acc),
-            o: T.Tensor((B, Tlen, HV, V), dtype),
+            o: T.Tensor((1, Ttot, HV, V), dtype),
             ht: T.Tensor((NT, HV, *h_dims), acc),
-            P: T.Tensor((B, Tlen, W), dtype),
+            P: T.Tensor((1, Ttot, W), dtype),
             norm_weight: T.Tensor((V,), acc),
         ):
-            with T.Kernel(NV, B, HV, threads=threads) as (bv, bb, bhv):
-                body(q, k, v, ag, gc, h0, o, ht, bb, bb, bb, bhv, bv, 0, Tlen, P=P, norm_weight=norm_weight)
+            with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
+                n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)
+                s0 = cu_seqlens[n]
+                body(q, k, v, ag, gc, h0, o, ht, n, ht_rows[n], bhv, bv, s0, cu_seqlens[n + 1] - s0, P=P,
+                     norm_weight=norm_weight)
 
-        return gdn_fwd_fused_normed
+        return gdn_fwd_fused_varlen_normed
 
     @T.prim_func
-    def gdn_fwd_fused(
-        q: T.Tensor((B, Tlen, H, K), dtype),
-        k: T.Tensor((B, Tlen, H, K), dtype),
-        v: T.Tensor((B, Tlen, HV, V), dtype),
-        ag: T.Tensor((B, Tlen, HV, C), dtype),
-        gc: T.Tensor((B, Tlen, HV), acc),
+    def gdn_fwd_fused_varlen(
+        q: T.Tensor((1, Ttot, H, K), dtype),
+        k: T.Tensor((1, Ttot, H, K), dtype),
+        v: T.Tensor((1, Ttot, HV, V), dtype),
+        ag: T.Tensor((1, Ttot, HV, C), dtype),
+        gc: T.Tensor((1, Ttot, HV), acc),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        order: T.Tensor((NS,), "int32"),
+        ht_rows: T.Tensor((NS,), "int32"),
         h0: T.Tensor((N0, HV, *h_dims), acc),
-        o: T.Tensor((B, Tlen, HV, V), dtype),
+        o: T.Tensor((1, Ttot, HV, V), dtype),
         ht: T.Tensor((NT, HV, *h_dims), acc),
     ):
-        with T.Kernel(NV, B, HV, threads=threads) as (bv, bb, bhv):
-            body(q, k, v, ag, gc, h0, o, ht, bb, bb, bb, bhv, bv, 0, Tlen)
+        with T.Kernel(NV, N1 - 1, HV, threads=threads) as (bv, bn, bh):
+            n, bhv = ordered_block(order, bn, bh, N1 - 1, HV)
+            s0 = cu_seqlens[n]
+            body(q, k, v, ag, gc, h0, o, ht, n, ht_rows[n], bhv, bv, s0, cu_seqlens[n + 1] - s0)
 
-    return gdn_fwd_fused
+    return gdn_fwd_fused_varlen
 
 
 def ws_pieces(T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_state, state_v_first):
@@ -229,23 +170,23 @@ def ws_pieces(T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_stat
             T.fence_proxy_async()
 
     @T.macro
-    def store_w(w_s, vres, bb, t0, bhv, v0, L):
+    def store_w(w_s, vres, t0, bhv, v0, L):
         # v - exp(G) k S of a chunk (store_states): TMA for whole chunks, rows < L otherwise
         if L == C:
-            T.tma_copy(w_s, vres[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
+            T.tma_copy(w_s, vres[0, t0 : t0 + C, bhv, v0 : v0 + BV])
         else:
             for i, j in T.Parallel(C, BV):
                 if i < L:
-                    vres[bb, t0 + i, bhv, v0 + j] = w_s[i, j]
+                    vres[0, t0 + i, bhv, v0 + j] = w_s[i, j]
 
     @T.macro
-    def store_o(o_f, o, bb, t0, bhv, v0, L):
+    def store_o(o_f, o, t0, bhv, v0, L):
         for i, j in T.Parallel(C, BV):
             if i < L:
-                o[bb, t0 + i, bhv, v0 + j] = o_f[i, j]
+                o[0, t0 + i, bhv, v0 + j] = o_f[i, j]
 
     @T.macro
-    def loader(q, k, v, ag, gc, q_s, k_s, v_s, a_s, g_s, data_ready, data_free, bb, bhv, v0, t_start, seq_len, NS):
+    def loader(q, k, v, ag, gc, q_s, k_s, v_s, a_s, g_s, data_ready, data_free, bhv, v0, t_start, seq_len, NS):
         # one warp: whole 64-row tiles even for a partial last chunk (rows >= L are masked out
         # downstream; TMA zero-fills past the tensor), G rows clamped to the last valid one
         bh = bhv // G
@@ -254,12 +195,12 @@ def ws_pieces(T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_stat
             t0 = t_start + c * C
             L = T.min(seq_len - c * C, C)
             T.barrier_wait(data_free[s], (c // NS + 1) % 2)
-            T.tma_copy(q[bb, t0 : t0 + C, bh, :], q_s[s, :, :], barrier=data_ready[s])
-            T.tma_copy(k[bb, t0 : t0 + C, bh, :], k_s[s, :, :], barrier=data_ready[s])
-            T.tma_copy(v[bb, t0 : t0 + C, bhv, v0 : v0 + BV], v_s[s, :, :], barrier=data_ready[s])
-            T.tma_copy(ag[bb, t0 : t0 + C, bhv, :], a_s[s, :, :], barrier=data_ready[s])
+            T.tma_copy(q[0, t0 : t0 + C, bh, :], q_s[s, :, :], barrier=data_ready[s])
+            T.tma_copy(k[0, t0 : t0 + C, bh, :], k_s[s, :, :], barrier=data_ready[s])
+            T.tma_copy(v[0, t0 : t0 + C, bhv, v0 : v0 + BV], v_s[s, :, :], barrier=data_ready[s])
+            T.tma_copy(ag[0, t0 : t0 + C, bhv, :], a_s[s, :, :], barrier=data_ready[s])
             for i in T.Parallel(C):
-                g_s[s, i] = gc[bb, t0 + T.min(i, L - 1), bhv]
+                g_s[s, i] = gc[0, t0 + T.min(i, L - 1), bhv]
             T.barrier_arrive(data_ready[s])
 
     return load_initial_state, store_final, masked_p, store_w, store_o, loader

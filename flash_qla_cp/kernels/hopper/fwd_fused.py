@@ -25,7 +25,6 @@ def build_fused_fwd_kernel(
     V: int,
     dtype: str,
     scale: float,
-    is_varlen: bool,
     use_initial_state: bool,
     store_final_state: bool,
     state_v_first: bool = False,
@@ -33,10 +32,10 @@ def build_fused_fwd_kernel(
 ):
     """PrimFunc walking every sequence chunk by chunk with S[K, block_v] held in fp32.
 
-    Arguments (non-varlen): q,k [B,T,H,K], v [B,T,HV,V], ag [B,T,HV,64] dtype, gc [B,T,HV] fp32,
-    h0 [N0,HV,K,V] fp32, o [B,T,HV,V] dtype, ht [N1,HV,K,V] fp32 (state dims swapped when
-    state_v_first; h0/ht may be 1-row dummies when unused). Varlen inserts cu_seqlens [N+1]
-    int32 after gc.
+    Arguments (`entries.fused_fwd_entry`: packed sequences): q,k [1,T,H,K], v [1,T,HV,V], ag
+    [1,T,HV,64] dtype, gc [1,T,HV] fp32, cu_seqlens [N+1], order [N], ht_rows [N] int32, h0
+    [N0,HV,K,V] fp32, o [1,T,HV,V] dtype, ht [N1,HV,K,V] fp32 (state dims swapped when
+    state_v_first; h0/ht may be 1-row dummies when unused).
     """
     _, T = import_tilelang()
     C = CHUNK
@@ -51,7 +50,7 @@ def build_fused_fwd_kernel(
     load_initial_state, store_final = state_io(T, K, BV, use_initial_state, store_final_state, state_v_first)
 
     @T.macro
-    def body(q, k, v, ag, gc, h0, o, ht, bb, n, ht_row, bhv, bv, t_start, seq_len):
+    def body(q, k, v, ag, gc, h0, o, ht, n, ht_row, bhv, bv, t_start, seq_len):
         bh = bhv // G
         v0 = bv * BV
         q_s = T.alloc_shared((C, K), dtype)
@@ -83,13 +82,13 @@ def build_fused_fwd_kernel(
             # next sequence's tokens (or zeros past the end of the tensor). They are harmless:
             # Ag has zero columns >= L, the causal mask keeps them out of valid outputs, and
             # the state update selects them away below.
-            T.copy(q[bb, t0 : t0 + C, bh, :], q_s)
-            T.copy(k[bb, t0 : t0 + C, bh, :], k_s)
-            T.copy(v[bb, t0 : t0 + C, bhv, v0 : v0 + BV], v_s)
-            T.copy(ag[bb, t0 : t0 + C, bhv, :], a_s)
+            T.copy(q[0, t0 : t0 + C, bh, :], q_s)
+            T.copy(k[0, t0 : t0 + C, bh, :], k_s)
+            T.copy(v[0, t0 : t0 + C, bhv, v0 : v0 + BV], v_s)
+            T.copy(ag[0, t0 : t0 + C, bhv, :], a_s)
             for i in T.Parallel(C):
                 # padding rows repeat the last valid G: every exponent below stays <= 0
-                g_s[i] = gc[bb, t0 + T.min(i, L - 1), bhv]
+                g_s[i] = gc[0, t0 + T.min(i, L - 1), bhv]
 
             # Private copy of G: the pipeliner may hand g_s's stage back to the producer as
             # soon as the q_s group is released, so later reads go to gl_s.
@@ -123,8 +122,8 @@ def build_fused_fwd_kernel(
             # straight from registers: no wait on a bulk store in the chunk loop
             for i, j in T.Parallel(C, BV):
                 if i < L:
-                    o[bb, t0 + i, bhv, v0 + j] = o_f[i, j]
+                    o[0, t0 + i, bhv, v0 + j] = o_f[i, j]
 
         store_final(s_f, ht, ht_row, bhv, v0)
 
-    return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, threads)
+    return fused_fwd_entry(body, H, HV, K, V, dtype, state_v_first, NV, threads)

@@ -31,7 +31,6 @@ def build_fused_fwd_ws_kernel(
     V: int,
     dtype: str,
     scale: float,
-    is_varlen: bool,
     use_initial_state: bool,
     store_final_state: bool,
     state_v_first: bool = False,
@@ -39,7 +38,7 @@ def build_fused_fwd_ws_kernel(
     num_stages: int = 2,
     store_states: bool = False,
 ):
-    """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N or B, HV),
+    """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N, HV),
     384 threads). num_stages: depth of the loader's ring (chunks loaded ahead).
 
     store_states: also write each chunk's entering state and v - exp(G) k S (the h walk's
@@ -64,7 +63,7 @@ def build_fused_fwd_ws_kernel(
         T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_state, state_v_first)
 
     @T.macro
-    def body(q, k, v, ag, gc, h0, o, ht, bb, n, ht_row, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0):
+    def body(q, k, v, ag, gc, h0, o, ht, n, ht_row, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0):
         v0 = bv * BV
         # ring of NS stages filled by the loader
         q_s = T.alloc_shared((NS, C, K), dtype)
@@ -147,18 +146,18 @@ def build_fused_fwd_ws_kernel(
                     o_f[i, j] = o_f[i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale)
                 T.barrier_wait(vn_ready, c % 2)
                 if store_states:  # w_s is complete once v_new is (state warpgroup: w, then Ag w)
-                    store_w(w_s, vres, bb, t0, bhv, v0, L)
+                    store_w(w_s, vres, t0, bhv, v0, L)
                 T.gemm(p_s, vn_s, o_f)
                 if store_states:  # the stores have read h_s / w_s before they are released
                     T.tma_store_wait(0)
                 T.barrier_arrive(out_done)
                 T.barrier_arrive(data_free[s])
-                store_o(o_f, o, bb, t0, bhv, v0, L)
+                store_o(o_f, o, t0, bhv, v0, L)
         else:
             # ---- loader: one warp issues the loads, the other three wait at the exit ----
             T.set_max_nreg(LOADER_REGS, 0)
             if tx < 2 * WG + 32:
-                loader(q, k, v, ag, gc, q_s, k_s, v_s, a_s, g_s, data_ready, data_free, bb, bhv, v0, t_start,
+                loader(q, k, v, ag, gc, q_s, k_s, v_s, a_s, g_s, data_ready, data_free, bhv, v0, t_start,
                        seq_len, NS)
 
-    return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, 3 * WG, store_states)
+    return fused_fwd_entry(body, H, HV, K, V, dtype, state_v_first, NV, 3 * WG, store_states)

@@ -42,7 +42,6 @@ def build_fused_fwd_ws4_kernel(
     V: int,
     dtype: str,
     scale: float,
-    is_varlen: bool,
     use_initial_state: bool,
     store_final_state: bool,
     state_v_first: bool = False,
@@ -51,7 +50,7 @@ def build_fused_fwd_ws4_kernel(
     store_states: bool = False,
     gated_norm: tuple | None = None,
 ):
-    """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N or B, HV),
+    """PrimFunc with the signature of `build_fused_fwd_kernel` (grid (V / block_v, N, HV),
     512 threads). num_stages: depth of the loader's ring. Whole chunks of o leave through a
     shared tile and a TMA store (coalesced) instead of each thread's fragment stores.
     gated_norm: (width, z_offset, z_head_stride, eps) of the layer's projection rows P
@@ -87,7 +86,7 @@ def build_fused_fwd_ws4_kernel(
         T, H, HV, K, BV, dtype, scale, use_initial_state, store_final_state, state_v_first)
 
     @T.macro
-    def body(q, k, v, ag, gc, h0, o, ht, bb, n, ht_row, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0, P=None,
+    def body(q, k, v, ag, gc, h0, o, ht, n, ht_row, bhv, bv, t_start, seq_len, h_st=None, vres=None, c_base=0, P=None,
              norm_weight=None):
         v0 = bv * BV
         # ring of NS stages filled by the loader
@@ -190,7 +189,7 @@ def build_fused_fwd_ws4_kernel(
                 t0 = t_start + c * C
                 L = T.min(seq_len - c * C, C)
                 if normed:  # (z_s is free: every thread read the last chunk's z before that chunk's store)
-                    T.tma_copy(P[bb, t0 : t0 + C, z_col : z_col + BV], z_s, barrier=z_ready)
+                    T.tma_copy(P[0, t0 : t0 + C, z_col : z_col + BV], z_s, barrier=z_ready)
                     T.barrier_arrive(z_ready)
                 T.barrier_wait(data_ready[s], (c // NS) % 2)
                 masked_p(q_s, k_s, g_s, s, p_f, p_s, not normed)
@@ -205,7 +204,7 @@ def build_fused_fwd_ws4_kernel(
                     o_f[i, j] = o_f[i, j] * (T.exp2(g_s[s, i] * LOG2E) * scale)
                 T.barrier_wait(vn_ready, c % 2)
                 if store_states:  # w_s is complete once v_new is
-                    store_w(w_s, vres, bb, t0, bhv, v0, L)
+                    store_w(w_s, vres, t0, bhv, v0, L)
                 T.gemm(p_s, vn_s, o_f)
                 if store_states:
                     T.tma_store_wait(0)
@@ -229,16 +228,16 @@ def build_fused_fwd_ws4_kernel(
                     T.copy(o_f, o_s)
                     T.fence_proxy_async()
                     T.sync_threads(O_TILE_BARRIER, WG)
-                    T.tma_copy(o_s, o[bb, t0 : t0 + C, bhv, v0 : v0 + BV])
+                    T.tma_copy(o_s, o[0, t0 : t0 + C, bhv, v0 : v0 + BV])
                 else:
-                    store_o(o_f, o, bb, t0, bhv, v0, L)
+                    store_o(o_f, o, t0, bhv, v0, L)
             T.tma_store_wait(0)  # o_s must outlive the last store's read
         else:
             # ---- loader: one warp issues the loads, the other three wait at the exit ----
             T.set_max_nreg(LOADER_REGS, 0)
             if tx < 3 * WG + 32:
-                loader(q, k, v, ag, gc, q_s, k_s, v_s, a_s, g_s, data_ready, data_free, bb, bhv, v0, t_start,
+                loader(q, k, v, ag, gc, q_s, k_s, v_s, a_s, g_s, data_ready, data_free, bhv, v0, t_start,
                        seq_len, NS)
 
-    return fused_fwd_entry(body, H, HV, K, V, dtype, is_varlen, state_v_first, NV, 4 * WG, store_states,
+    return fused_fwd_entry(body, H, HV, K, V, dtype, state_v_first, NV, 4 * WG, store_states,
                            gated_norm[0] if normed else 0)
