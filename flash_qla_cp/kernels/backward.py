@@ -23,7 +23,7 @@ import torch
 from ..constants import CHUNK
 from ..options import DEFAULT_OPTIONS, KernelOptions
 from . import runtime, split
-from .forward import ForwardSaved, prepare_spec, run_prepare
+from .forward import ForwardSaved, packed, packed_offsets, prepare_spec, run_prepare
 from .hopper.bwd_dh import build_bwd_dh_kernel
 from .hopper.bwd_dh_ws import build_bwd_dh_ws_kernel
 from .hopper.bwd_fused import MAX_CHAIN_GROUP, build_bwd_fused_ws_kernel
@@ -170,17 +170,17 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
     elif cu_seqlens is not None:
         cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
     else:  # a dense batch is B packed sequences of T; their tables come from the host (below)
-        dense_tabs = split.plan_split([b * Tn for b in range(B + 1)], HV, V, 1).device_tensors(dev)
+        dense_tabs = split.plan_split(packed_offsets(B, Tn), HV, V, 1).device_tensors(dev)
         cu = dense_tabs["part_cu"]
     N = cu.shape[0] - 1
 
-    def flat(x, *tail):  # packed [1, B*T, ...] (B == 1 inputs already are)
-        return kernel_operand(x.reshape(1, Ttot, *tail) if B > 1 else x)
+    def flat(x):  # packed [1, B*T, ...], as the kernels take it
+        return kernel_operand(packed(x))
 
-    qf, kf = flat(q, H, K), flat(k, H, K)
-    dof = flat(as_dtype(do, dt), HV, V)
-    g32 = flat(as_dtype(g, torch.float32), HV)
-    b32 = flat(as_dtype(beta, torch.float32), HV)
+    qf, kf = flat(q), flat(k)
+    dof = flat(as_dtype(do, dt))
+    g32 = flat(as_dtype(g, torch.float32))
+    b32 = flat(as_dtype(beta, torch.float32))
 
     user_h0 = initial_state is not None
     use_dht = dht is not None
@@ -250,7 +250,7 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
             else:
                 h0 = state_kv_layout(initial_state, state_v_first) if user_h0 else empty(
                     1, *sdims, dtype=torch.float32, device=dev)
-            runtime.compile_kernel(plan.h_walk)(kf, flat(v, HV, V), ag, gcum, *walk_args, h0, h_st, vres)
+            runtime.compile_kernel(plan.h_walk)(kf, flat(v), ag, gcum, *walk_args, h0, h_st, vres)
         exit_grad = dhtf
         if split_saved is not None:
             # the gradient reaching each partition's start from its own outputs: only its first

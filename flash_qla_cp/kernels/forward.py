@@ -365,9 +365,9 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
         # the walk over packed sequences: a dense batch's B rows of Tn as B sequences, with the
         # tables of its offsets (the walks' block order is then the varlen one, all v-heads of a
         # sequence together: `ordered_block`)
-        qf, kf, vf, agf, gf = (_packed(x) for x in (q, k, v, ag, g_cum))
+        qf, kf, vf, agf, gf = (packed(x) for x in (q, k, v, ag, g_cum))
         if norm_args:
-            norm_args = (_packed(norm_args[0]), norm_args[1])
+            norm_args = (packed(norm_args[0]), norm_args[1])
         if not varlen:
             cu, chunk_tab = tabs["seq_cu"], seq_tab
         states = ()
@@ -388,7 +388,7 @@ def tilelang_forward(q, k, v, g, beta, scale, initial_state=None, output_final_s
     return o.reshape(B, Tn, HV, V) if B > 1 else o, (ht if output_final_state else None), saved
 
 
-def _packed(x):
+def packed(x):
     """x [B, T, ...] as one packed row [1, B * T, ...] (a view; B == 1 as it is: each reshape is host
     time)."""
     return x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]) if x.shape[0] > 1 else x
@@ -412,7 +412,7 @@ def _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_
     B, Tn, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
-    qf, kf, vf, agf, gf = (_packed(x) for x in (q, k, v, ag, g_cum))
+    qf, kf, vf, agf, gf = (packed(x) for x in (q, k, v, ag, g_cum))
 
     idx = plan.device_tensors(dev)
     starts, dh_walk = split.decay_tables(kernels.split.decay_tables, gf, plan)
@@ -427,7 +427,7 @@ def _split_forward(q, k, v, ag, g_cum, initial_state, output_final_state, state_
     if store_states:
         states = (*_state_outputs(saved, int(idx["part_chunk_table"].shape[0]), vf, K), idx["part_chunk_offsets"])
     if norm_args:
-        norm_args = (_packed(norm_args[0]), norm_args[1])
+        norm_args = (packed(norm_args[0]), norm_args[1])
     runtime.compile_kernel(kernels.fused)(qf, kf, vf, agf, gf, idx["part_cu"], idx["part_order"], idx["final_rows"],
                                           s_in, o, ht, *states, *norm_args)
     final = state_kv_layout(ht, state_v_first) if output_final_state else None
