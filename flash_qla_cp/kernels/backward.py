@@ -169,8 +169,9 @@ def tilelang_backward(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlen
         cu = split_saved.part_cu
     elif cu_seqlens is not None:
         cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
-    else:  # a dense batch is B packed sequences of T; their tables come from the host (below)
-        dense_tabs = split.plan_split(packed_offsets(B, Tn), HV, V, 1).device_tensors(dev)
+    else:  # a dense batch is B packed sequences of T; their tables come from the host (below),
+        # the cached plan a forward of the batch with intra_cp off builds (same arguments, this GPU's SMs)
+        dense_tabs = split.plan_split(packed_offsets(B, Tn), HV, V, 1, sms).device_tensors(dev)
         cu = dense_tabs["part_cu"]
     N = cu.shape[0] - 1
 
