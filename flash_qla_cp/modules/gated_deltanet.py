@@ -51,6 +51,7 @@ from .hf_params import gdn_from_qwen3_next
 from .history_rows import HistoryRows
 from .norm import GatedRMSNorm
 from .offsets_read_back import OffsetsReadBack
+from .projection_op import projection_rows
 from .short_conv import ShortConvolution, last_kept_inputs
 
 
@@ -319,6 +320,9 @@ class GatedDeltaNet(nn.Module):
         has hidden units (decoding), a matmul per projection and their outputs put together, which
         copies less than the weights."""
         if x.shape[0] * x.shape[1] >= self.hidden_size:
+            if torch.compiler.is_compiling():  # P with the strides the fused op takes (projection_op.py)
+                dtype = _projection_dtype(x)
+                return projection_rows(x.to(dtype), self._projection_weight().to(dtype))
             return F.linear(x, self._projection_weight())
         return torch.cat([F.linear(x, p.weight) for p in self._projections()], dim=-1)
 

@@ -108,3 +108,45 @@ def test_custom_ops_are_kept_out_of_captured_cuda_graphs():
     for op in (ops.chunk_gated_delta_rule_fwd, ops.chunk_gated_delta_rule_bwd, ops.gdn_layer_mixer_fwd,
                ops.gdn_layer_mixer_bwd):
         assert torch.Tag.cudagraph_unsafe in op.default.tags, op
+
+
+def test_compiled_layer_projects_in_an_op_of_its_own():
+    """Under torch.compile the input projection runs inside `flash_qla_cp::projection_rows`, so that
+    inductor cannot pad P's rows, which the fused op would then get as a contiguous copy
+    (modules/projection_op.py)."""
+    targets = []
+
+    def recording_backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch.manual_seed(0)
+    m = GatedDeltaNet(32, 2, 4, 8, 8, backend="torch")
+    torch.compile(m, backend=recording_backend, fullgraph=True)(torch.randn(2, 70, 32))
+    assert any("projection_rows" in t for t in targets), targets
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiled_projection_matches_eager_linear(autocast):
+    """The projection op gives F.linear's rows and gradients, with autocast's casts where it is on."""
+    torch.manual_seed(0)
+    m = GatedDeltaNet(32, 2, 4, 8, 8, backend="torch")
+    x = torch.randn(2, 70, 32)
+    results = []
+    for fn in (torch.compile(m._projection_rows, fullgraph=True), m._projection_rows):
+        m.zero_grad()
+        xl = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            P = fn(xl)
+        P.float().sin().sum().backward()
+        results.append([P, xl.grad, m.in_proj_qkvz.weight.grad, m.in_proj_ba.weight.grad])
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        assert rel_err(a.double(), b.double()) < 1e-6  # the same casts and products (bf16 would differ by ~1e-3)
+
+
+def test_projection_op_passes_opcheck():
+    from flash_qla_cp.modules.projection_op import projection_rows
+
+    args = (torch.randn(2, 5, 8, requires_grad=True), torch.randn(12, 8, requires_grad=True))
+    torch.library.opcheck(projection_rows, args)
